@@ -1,0 +1,31 @@
+# detinfer: `make run` and `make test` work on a fresh clone (they create .venv first).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PROMPT ?= The capital of France is
+
+.PHONY: run test bench install pull clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+pull: $(STAMP)
+	$(BIN)/detinfer pull
+
+run: pull
+	$(BIN)/detinfer run --prompt "$(PROMPT)" --max-tokens 48 --out run.json
+
+test: pull
+	$(BIN)/python -m pytest -q
+
+bench: pull
+	$(BIN)/python -m detinfer.bench --out bench/results.json
+
+clean:
+	rm -rf $(VENV) run.json

@@ -1,0 +1,210 @@
+"""The ``detinfer`` command: a thin typer shell over the library. Errors become one line and an exit code here.
+
+Exit codes: 0 success, 1 a re-executed run does not match its manifest, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from .errors import DetinferError, InputError, MismatchError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Determinism-first LLM inference: bit-identical GGUF inference on the CPU, with run manifests that prove it.",
+)
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Registry name or path to a .gguf file.")]
+CtxOpt = Annotated[int, typer.Option("--ctx", help="KV cache positions (n_ctx), at most the model's context length.")]
+KvOpt = Annotated[str, typer.Option("--kv-type", help="KV cache type: f32 or f16. Quantized types are rejected.")]
+ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", help="Threads (default: all cores). Never changes a result.")]
+
+
+def _fail(e: DetinferError) -> None:
+    err.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)  # user text is never markup
+    raise typer.Exit(e.exit_code)
+
+
+@app.command()
+def pull(
+    name: Annotated[Optional[str], typer.Argument(help="Registry name (default: the default model).")] = None,
+    force: Annotated[bool, typer.Option(help="Download again even if present.")] = False,
+) -> None:
+    """Download a registry model into $DETINFER_HOME/models and verify its sha256."""
+    from .registry import DEFAULT_MODEL, pull as do_pull
+
+    try:
+        path = do_pull(name or DEFAULT_MODEL, force=force)
+    except DetinferError as e:
+        _fail(e)
+    out.print(str(path))
+
+
+@app.command()
+def models() -> None:
+    """List the registry and what is downloaded."""
+    from .registry import list_models
+
+    table = Table("name", "size", "present", "sha256", "description")
+    for row in list_models():
+        table.add_row(row["name"], f"{row['size'] / 1e6:.1f} MB", "yes" if row["present"] else "no", row["sha256"][:16] + "…", row["description"])
+    out.print(table)
+
+
+@app.command()
+def info(
+    model: Annotated[Optional[str], typer.Argument(help="Registry name or .gguf path.")] = None,
+    ctx: CtxOpt = 4096,
+) -> None:
+    """Show a model's config, tensor types, parameter count and KV cache size."""
+    from .config import ModelConfig
+    from .gguf_file import ModelFile
+    from .kvcache import KV_TYPES, kv_bytes_per_number
+    from .registry import resolve_model
+
+    try:
+        mf = ModelFile(resolve_model(model))
+        cfg = ModelConfig.from_model(mf)
+    except DetinferError as e:
+        _fail(e)
+    table = Table("key", "value", title=escape(mf.path.name))
+    table.add_row("sha256", mf.sha256)
+    table.add_row("file size", f"{mf.size:,} bytes")
+    table.add_row("parameters", f"{mf.n_params():,}")
+    table.add_row("tensor types", ", ".join(f"{k}: {v}" for k, v in mf.type_counts().items()))
+    for field in ("arch", "n_vocab", "n_ctx_train", "n_embd", "n_layer", "n_head", "n_head_kv", "head_dim", "n_ff", "rope_freq_base", "rms_norm_eps", "tied_embeddings"):
+        table.add_row(field, str(getattr(cfg, field)))
+    out.print(table)
+    kv = Table("kv type", "bytes / position", f"bytes at n_ctx={ctx}", title="KV cache = n_layer × positions × 2 × kv_width × bytes_per_number")
+    for kv_type in KV_TYPES:
+        b = kv_bytes_per_number(kv_type)
+        kv.add_row(kv_type, f"{cfg.kv_bytes(1, b):,}", f"{cfg.kv_bytes(ctx, b):,} ({cfg.kv_bytes(ctx, b) / 2**20:.1f} MiB)")
+    out.print(kv)
+    out.print(f"kv_width = n_head_kv × head_dim = {cfg.n_head_kv} × {cfg.head_dim} = {cfg.kv_width}; n_layer = {cfg.n_layer}")
+
+
+def _read_prompt_file(path: Path) -> str:
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise InputError(f"cannot read prompt file {path}: {e.strerror or e}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"prompt file {path} is not valid UTF-8: byte 0x{data[e.start]:02x} at offset {e.start}") from None
+
+
+@app.command()
+def run(
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text.")] = None,
+    prompt_file: Annotated[Optional[Path], typer.Option("--prompt-file", help="Read the prompt from a UTF-8 file.")] = None,
+    messages: Annotated[Optional[Path], typer.Option("--messages", help="JSON file with a list of {role, content}.")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Render the prompt as a user message with the chat template.")] = False,
+    manifest: Annotated[Optional[Path], typer.Option("--manifest", help="Re-execute a recorded run and compare.")] = None,
+    model: ModelOpt = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Maximum new tokens.")] = 128,
+    temperature: Annotated[float, typer.Option(help="0 = greedy (ties to the lowest token id).")] = 0.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).")] = 0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass in (0, 1].")] = 1.0,
+    min_p: Annotated[float, typer.Option("--min-p", help="Drop tokens below min_p × p_max.")] = 0.0,
+    repeat_penalty: Annotated[float, typer.Option("--repeat-penalty", help="Repetition penalty (1 = off).")] = 1.0,
+    repeat_last_n: Annotated[int, typer.Option("--repeat-last-n", help="Tokens the penalty looks back over.")] = 64,
+    seed: Annotated[int, typer.Option(help="Sampling seed (recorded in the manifest).")] = 0,
+    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable); never emitted.")] = None,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at end-of-generation tokens.")] = False,
+    ctx: CtxOpt = 4096,
+    kv_type: KvOpt = "f32",
+    threads: ThreadsOpt = None,
+    chunk_size: Annotated[int, typer.Option("--chunk-size", help="Prefill tokens per chunk. Never changes a result.")] = 64,
+    out_path: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the run manifest here.")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Do not stream tokens; print only the summary.")] = False,
+) -> None:
+    """Generate text and record a run manifest; or re-execute one with --manifest."""
+    from .engine import Engine, set_threads
+    from .kvcache import parse_kv_type
+    from .manifest import load_manifest, write_manifest
+    from .run import build_prompt, engine_for_manifest, execute, reexecute, sampling_record
+    from .sampler import SamplingParams
+    from .chat import load_messages
+
+    def stream(step) -> None:
+        if not quiet and step.text:
+            sys.stdout.write(step.text)
+            sys.stdout.flush()
+
+    try:
+        parse_kv_type(kv_type)
+        set_threads(threads)
+        if manifest is not None:
+            if prompt is not None or prompt_file is not None or messages is not None:
+                raise InputError("--manifest re-executes a recorded prompt; do not also pass --prompt/--prompt-file/--messages")
+            recorded = load_manifest(manifest)
+            engine = engine_for_manifest(recorded, model)
+            actual, comparison = reexecute(recorded, engine, chunk_size=chunk_size, on_step=stream)
+            if not quiet:
+                sys.stdout.write("\n")
+            if out_path is not None:
+                write_manifest(actual, out_path)
+            _summary(actual, out_path)
+            if comparison.match:
+                err.print(f"[bold green]match[/]: tokens, KV hash and all {len(actual.output.logits_digests)} logits digests equal {escape(str(manifest))}")
+                return
+            for d in comparison.differences:
+                err.print(f"[bold red]mismatch[/] {d.field}: expected {escape(d.expected)} got {escape(d.actual)}", soft_wrap=True)
+            if comparison.first_divergent_step is not None:
+                err.print(f"first divergent step: {comparison.first_divergent_step}")
+            raise MismatchError(f"re-execution of {manifest} does not match")
+        sources = sum(x is not None for x in (prompt, prompt_file, messages))
+        if sources != 1:
+            raise InputError("give exactly one of --prompt, --prompt-file, --messages (or --manifest)")
+        text = _read_prompt_file(prompt_file) if prompt_file is not None else prompt
+        msgs = load_messages(messages) if messages is not None else None
+        params = SamplingParams.create(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            repetition_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed,
+        )
+        sampling = sampling_record(params, max_tokens=max_tokens, stop=stop or [], ignore_eos=ignore_eos)
+        engine = Engine.load(model, n_ctx=ctx, kv_type=kv_type)
+        prompt_record = build_prompt(engine, text=text, messages=msgs, chat=chat)
+        if not quiet:
+            err.print(f"[dim]{escape(engine.model_file.path.name)}: {len(prompt_record.token_ids)} prompt tokens[/]")
+        result = execute(engine, prompt_record, sampling, chunk_size=chunk_size, on_step=stream)
+        if not quiet:
+            sys.stdout.write("\n")
+        if out_path is not None:
+            write_manifest(result, out_path)
+        _summary(result, out_path)
+    except DetinferError as e:
+        _fail(e)
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        raise typer.Exit(130)
+
+
+def _summary(m, out_path: Optional[Path]) -> None:
+    t = m.informative.timings
+    err.print(
+        f"[dim]{len(m.output.token_ids)} tokens, stop: {m.output.stop_reason}; prefill {t.get('prefill_tok_s', 0)} tok/s, "
+        f"decode {t.get('decode_tok_s', 0)} tok/s, {m.informative.threads} threads; KV {m.output.kv_sha256[:16]}…"
+        + (f"; manifest: {escape(str(out_path))}" if out_path else "")
+        + "[/]"
+    )
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""The engine: a loaded model and its forward pass (one entry point for prefill and decode).
+
+``forward`` takes a chunk of n >= 1 tokens at the positions after those already in the KV cache. Decode is the
+n = 1 case of the same kernels in the same order, so chunked prefill, whole-prompt prefill, prefix reuse and
+one-token decode all produce the same bytes for the same token at the same position.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import numba
+import numpy as np
+
+from . import kernels
+from .chat import ChatTemplate
+from .config import ModelConfig
+from .errors import InputError
+from .gguf_file import ModelFile
+from .kvcache import KVCache, kv_bytes_per_number, parse_kv_type
+from .quants import dequantize_row
+from .registry import resolve_model
+from .tokenizer import Tokenizer
+from .weights import LlamaWeights
+
+DEFAULT_N_CTX = 4096
+DEFAULT_CHUNK = 64  # prefill tokens per forward chunk: any value gives the same bytes
+
+
+def set_threads(threads: int | None) -> int:
+    """Set numba's thread count (default: all cores numba sees). Never changes a result, only speed.
+
+    Raises InputError if ``threads`` is not between 1 and the number of cores numba was started with.
+    """
+    limit = numba.config.NUMBA_NUM_THREADS
+    n = limit if threads is None else int(threads)
+    if not 1 <= n <= limit:
+        raise InputError(f"--threads {threads} is out of range; use 1..{limit} (NUMBA_NUM_THREADS caps it)")
+    numba.set_num_threads(n)
+    return n
+
+
+@dataclass
+class _Scratch:
+    """Activation buffers for a chunk of up to ``T`` tokens, allocated once per chunk size."""
+
+    x: np.ndarray  # [T, n_embd] residual stream
+    xn: np.ndarray  # [T, n_embd] normalized
+    xsum: np.ndarray  # [T, max(n_embd, n_ff) // 32] block sums of the current matmul input
+    qkv: np.ndarray  # [T, q_width + 2 kv_width]
+    attn: np.ndarray  # [T, q_width]
+    proj: np.ndarray  # [T, n_embd]
+    gate_up: np.ndarray  # [T, 2 n_ff]
+    ffn: np.ndarray  # [T, n_ff]
+
+
+class Engine:
+    """A model ready to run: file, config, tokenizer, chat template, repacked weights and RoPE tables.
+
+    Construct with :meth:`load`. ``n_ctx`` is the number of positions a KV cache holds; ``kv_type`` "f32" or "f16".
+    """
+
+    def __init__(self, model_file: ModelFile, n_ctx: int = DEFAULT_N_CTX, kv_type: str = "f32"):
+        self.model_file = model_file
+        self.config = cfg = ModelConfig.from_model(model_file)
+        if not 1 <= n_ctx <= cfg.n_ctx_train:
+            raise InputError(f"--ctx {n_ctx} is out of range; this model supports 1..{cfg.n_ctx_train} positions")
+        self.n_ctx = n_ctx
+        self.kv_type = parse_kv_type(kv_type)
+        self.tokenizer = Tokenizer.from_model(model_file)
+        self.chat_template = ChatTemplate.from_model(model_file)
+        self.weights = LlamaWeights.load(model_file, cfg)
+        self.rope_cos, self.rope_sin = kernels.rope_table(n_ctx, cfg.head_dim, cfg.rope_freq_base)
+        self.attn_scale = np.float32(1.0 / np.sqrt(np.float64(cfg.head_dim)))
+        self._scratch: dict[int, _Scratch] = {}
+
+    @classmethod
+    def load(cls, model: str | os.PathLike | None = None, *, n_ctx: int = DEFAULT_N_CTX, kv_type: str = "f32") -> "Engine":
+        """Load a model by registry name or .gguf path (None: the default model).
+
+        The KV type is checked before the model is read, so a quantized ``kv_type`` fails fast (KVTypeError).
+        Raises DetinferError subclasses for a missing/invalid file, unsupported architecture or tensor type.
+        """
+        parse_kv_type(kv_type)
+        return cls(ModelFile(resolve_model(model)), n_ctx=n_ctx, kv_type=kv_type)
+
+    def new_cache(self) -> KVCache:
+        """An empty KV cache of n_ctx positions (allocated zeroed; pages are only committed when written)."""
+        return KVCache(self.config, self.n_ctx, self.kv_type)
+
+    def kv_bytes(self, n_positions: int | None = None, kv_type: str | None = None) -> int:
+        """KV cache bytes for ``n_positions`` (default n_ctx) with the formula in :class:`KVCache`."""
+        return self.config.kv_bytes(self.n_ctx if n_positions is None else n_positions, kv_bytes_per_number(kv_type or self.kv_type))
+
+    def _scratch_for(self, T: int) -> _Scratch:
+        if T not in self._scratch:
+            cfg = self.config
+            qw = cfg.n_head * cfg.head_dim
+            f = np.float32
+            self._scratch[T] = _Scratch(
+                x=np.empty((T, cfg.n_embd), f),
+                xn=np.empty((T, cfg.n_embd), f),
+                xsum=np.empty((T, max(cfg.n_embd, cfg.n_ff, qw) // kernels.QK), f),
+                qkv=np.empty((T, qw + 2 * cfg.kv_width), f),
+                attn=np.empty((T, qw), f),
+                proj=np.empty((T, cfg.n_embd), f),
+                gate_up=np.empty((T, 2 * cfg.n_ff), f),
+                ffn=np.empty((T, cfg.n_ff), f),
+            )
+        return self._scratch[T]
+
+    def forward(
+        self, tokens: Sequence[int], cache: KVCache, *, all_logits: bool = False, chunk_size: int = DEFAULT_CHUNK
+    ) -> np.ndarray:
+        """Run ``tokens`` at positions cache.n_tokens.. and append their K/V to ``cache``.
+
+        Returns float32 logits [len(tokens), n_vocab] if ``all_logits``, else [n_vocab] for the last token.
+        ``chunk_size`` (>= 1) only splits the work; it never changes a bit of the result.
+        Raises InputError for an empty or out-of-vocabulary token list, or one that does not fit in the cache.
+        """
+        cfg = self.config
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        n = ids.shape[0]
+        if n == 0:
+            raise InputError("no tokens to run")
+        if chunk_size < 1:
+            raise InputError(f"chunk size must be >= 1, got {chunk_size}")
+        if ids.min() < 0 or ids.max() >= cfg.n_vocab:
+            bad = int(ids[(ids < 0) | (ids >= cfg.n_vocab)][0])
+            raise InputError(f"token id {bad} is outside the vocabulary (0..{cfg.n_vocab - 1})")
+        if cache.n_tokens + n > cache.n_ctx:
+            raise InputError(
+                f"{cache.n_tokens} cached + {n} new tokens exceed the context of {cache.n_ctx}; raise --ctx or shorten the prompt"
+            )
+        logits = np.empty((n if all_logits else 1, cfg.n_vocab), np.float32)
+        for start in range(0, n, chunk_size):
+            chunk = ids[start : start + chunk_size]
+            last = start + chunk.shape[0] == n
+            want = all_logits or last
+            out = logits[start : start + chunk.shape[0]] if all_logits else logits
+            self._forward_chunk(chunk, cache, out if want else None, all_rows=all_logits)
+        return logits if all_logits else logits[0]
+
+    def _forward_chunk(self, ids: np.ndarray, cache: KVCache, logits: np.ndarray | None, all_rows: bool) -> None:
+        """One chunk through every layer (llama: Touvron et al. 2023, as llama.cpp runs GGUF llama files)."""
+        cfg, w = self.config, self.weights
+        T = ids.shape[0]
+        s = self._scratch_for(T)
+        pos0 = cache.n_tokens
+        positions = np.arange(pos0, pos0 + T, dtype=np.int64)
+        qw, kvw = cfg.n_head * cfg.head_dim, cfg.kv_width
+        eps = np.float32(cfg.rms_norm_eps)
+        for t in range(T):
+            dequantize_row(int(w.token_embd_type), w.token_embd[ids[t]], s.x[t])
+        nb_embd, nb_q, nb_ff = cfg.n_embd // kernels.QK, qw // kernels.QK, cfg.n_ff // kernels.QK
+        for li, layer in enumerate(w.layers):
+            kernels.rmsnorm(s.x, layer.attn_norm, eps, s.xn)
+            kernels.block_sums(s.xn, s.xsum[:, :nb_embd])
+            layer.attn_qkv(s.xn, s.xsum[:, :nb_embd], s.qkv)
+            q, k, v = s.qkv[:, :qw], s.qkv[:, qw : qw + kvw], s.qkv[:, qw + kvw :]
+            kernels.rope_norm(q, positions, cfg.n_head, cfg.head_dim, self.rope_cos, self.rope_sin)
+            kernels.rope_norm(k, positions, cfg.n_head_kv, cfg.head_dim, self.rope_cos, self.rope_sin)
+            kernels.kv_write(cache.k[li], cache.v[li], k, v, pos0)
+            kernels.attention(q, cache.k[li], cache.v[li], pos0, cfg.n_head, self.attn_scale, cache.lut, s.attn)
+            kernels.block_sums(s.attn, s.xsum[:, :nb_q])
+            layer.attn_output(s.attn, s.xsum[:, :nb_q], s.proj)
+            kernels.add_inplace(s.x, s.proj)
+            kernels.rmsnorm(s.x, layer.ffn_norm, eps, s.xn)
+            kernels.block_sums(s.xn, s.xsum[:, :nb_embd])
+            layer.ffn_gate_up(s.xn, s.xsum[:, :nb_embd], s.gate_up)
+            kernels.swiglu(s.gate_up[:, : cfg.n_ff], s.gate_up[:, cfg.n_ff :], s.ffn)
+            kernels.block_sums(s.ffn, s.xsum[:, :nb_ff])
+            layer.ffn_down(s.ffn, s.xsum[:, :nb_ff], s.proj)
+            kernels.add_inplace(s.x, s.proj)
+        cache.tokens.extend(int(i) for i in ids)
+        if logits is None:
+            return
+        rows = slice(0, T) if all_rows else slice(T - 1, T)
+        xn = s.xn[rows]
+        kernels.rmsnorm(s.x[rows], w.output_norm, eps, xn)
+        kernels.block_sums(xn, s.xsum[rows, :nb_embd])
+        w.output(xn, s.xsum[rows, :nb_embd], logits)

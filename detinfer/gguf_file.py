@@ -1,0 +1,230 @@
+"""GGUF loading: parse and validate a .gguf file into metadata plus memory-mapped tensor views.
+
+The file is parsed with the ``gguf`` package's reader (GGUF spec:
+https://github.com/ggml-org/ggml/blob/master/docs/gguf.md). Parsing a 49k-token vocabulary with the
+reader takes over a second, so the parsed result (metadata and tensor table, never weights) is kept in a
+content-addressed index under ``$DETINFER_HOME/index/<sha256>.json``: the same bytes always give the
+same index, so it can never be stale. Weights stay quantized in the memory map.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+from .errors import GGUFError
+from .fileio import atomic_write_text, sha256_file
+from .paths import detinfer_home
+
+INDEX_VERSION = 1
+
+# Tensor types the kernels implement; anything else is rejected at load, naming the tensor.
+SUPPORTED_TYPES = frozenset(
+    {
+        GGMLQuantizationType.F32,
+        GGMLQuantizationType.F16,
+        GGMLQuantizationType.BF16,
+        GGMLQuantizationType.Q8_0,
+        GGMLQuantizationType.Q4_0,
+        GGMLQuantizationType.Q4_1,
+    }
+)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a GGUF file.
+
+    ne: GGUF dimensions, innermost (contiguous) first, as in the file.
+    shape: numpy order (``ne`` reversed), e.g. ``(n_rows, n_cols)`` for a matrix.
+    offset: absolute byte offset of the data in the file; nbytes: its length in bytes.
+    """
+
+    name: str
+    ggml_type: GGMLQuantizationType
+    ne: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(reversed(self.ne))
+
+    @property
+    def type_name(self) -> str:
+        return self.ggml_type.name
+
+
+class _PlainReader(GGUFReader):
+    """The gguf reader over a plain ndarray view of its memory map: same parse, ~3x faster
+    (numpy's memmap subclass pays a Python-level hook on every one of ~10^6 small slices)."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._plain
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._plain = value.view(np.ndarray)
+
+
+def _tensor_nbytes(ggml_type: GGMLQuantizationType, ne: tuple[int, ...]) -> int:
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    n = int(np.prod(ne, dtype=np.int64))
+    if ne[0] % block_size:
+        raise GGUFError(f"row length {ne[0]} is not a multiple of the {ggml_type.name} block size {block_size}")
+    return n // block_size * type_size
+
+
+def _parse(path: Path) -> dict[str, Any]:
+    """Parse ``path`` with the gguf reader into a JSON-able index: metadata and tensor table."""
+    try:
+        reader = _PlainReader(path)
+    except Exception as e:  # the reader raises ValueError, IndexError, OverflowError... on malformed input
+        raise GGUFError(f"{path.name}: not a valid GGUF file ({type(e).__name__}: {e}); re-download it with `detinfer pull`") from None
+    metadata: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            value = field.contents()
+        except Exception as e:
+            raise GGUFError(f"{path.name}: metadata key {key!r} cannot be read ({e})") from None
+        if isinstance(value, (np.integer, np.floating, np.bool_)):
+            value = value.item()
+        metadata[key] = value
+    tensors = []
+    for t in reader.tensors:
+        try:
+            ggml_type = GGMLQuantizationType(int(t.tensor_type))
+        except ValueError:
+            raise GGUFError(f"{path.name}: tensor {t.name!r} has unknown type id {int(t.tensor_type)}") from None
+        tensors.append([t.name, int(ggml_type), [int(x) for x in t.shape], int(t.data_offset)])
+    return {"index_version": INDEX_VERSION, "metadata": metadata, "tensors": tensors}
+
+
+class ModelFile:
+    """A validated GGUF file: metadata, tensor table and zero-copy tensor data.
+
+    Raises GGUFError if the file is missing, not GGUF, truncated, has overlapping or out-of-file tensors,
+    or stores a tensor whose byte size does not match its type and dimensions.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, use_index: bool = True):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise GGUFError(f"model file not found: {self.path}; run `detinfer pull` or pass a path to a .gguf file")
+        self.size = self.path.stat().st_size
+        with open(self.path, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise GGUFError(f"{self.path.name}: wrong magic {magic!r} (expected b'GGUF'); this is not a GGUF file")
+        self.sha256 = sha256_file(self.path)
+        index = self._load_index() if use_index else None
+        if index is None:
+            index = _parse(self.path)
+            self._validate_index(index)
+            if use_index:
+                atomic_write_text(self._index_path(), json.dumps(index))
+        else:
+            self._validate_index(index)
+        self.metadata: dict[str, Any] = index["metadata"]
+        self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
+
+    def _index_path(self) -> Path:
+        return detinfer_home() / "index" / f"{self.sha256}.json"
+
+    def _load_index(self) -> dict[str, Any] | None:
+        try:
+            index = json.loads(self._index_path().read_text())
+        except (OSError, ValueError):
+            return None
+        return index if isinstance(index, dict) and index.get("index_version") == INDEX_VERSION else None
+
+    def _validate_index(self, index: dict[str, Any]) -> None:
+        self.tensors: dict[str, TensorInfo] = {}
+        for name, type_id, ne, offset in index["tensors"]:
+            ggml_type = GGMLQuantizationType(type_id)
+            ne = tuple(ne)
+            if any(d <= 0 for d in ne):
+                raise GGUFError(f"{self.path.name}: tensor {name!r} has an empty dimension {ne}")
+            try:
+                nbytes = _tensor_nbytes(ggml_type, ne)
+            except GGUFError as e:
+                raise GGUFError(f"{self.path.name}: tensor {name!r}: {e}") from None
+            if offset < 0 or offset + nbytes > self.size:
+                raise GGUFError(
+                    f"{self.path.name}: tensor {name!r} ends at byte {offset + nbytes} but the file has "
+                    f"{self.size} bytes; the file is truncated, re-download it"
+                )
+            if name in self.tensors:
+                raise GGUFError(f"{self.path.name}: tensor {name!r} appears twice")
+            self.tensors[name] = TensorInfo(name, ggml_type, ne, offset, nbytes)
+        spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in self.tensors.values())
+        for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+            if start < end:
+                raise GGUFError(f"{self.path.name}: tensors {a!r} and {b!r} overlap")
+
+    @cached_property
+    def architecture(self) -> str:
+        return str(self.require("general.architecture"))
+
+    def require(self, key: str) -> Any:
+        """Metadata value for ``key``; GGUFError naming the key if absent."""
+        if key not in self.metadata:
+            raise GGUFError(f"{self.path.name}: metadata key {key!r} is missing")
+        return self.metadata[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+    def tensor_data(self, name: str) -> np.ndarray:
+        """Raw bytes of tensor ``name`` as a read-only uint8 view of the memory map, shape (n_rows, row_bytes).
+
+        Raises GGUFError if the tensor is missing or its type is not supported by the engine.
+        """
+        info = self.tensor(name)
+        if info.ggml_type not in SUPPORTED_TYPES:
+            raise GGUFError(
+                f"{self.path.name}: tensor {name!r} has type {info.type_name}, which detinfer does not support "
+                f"(supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))})"
+            )
+        raw = self._mmap[info.offset : info.offset + info.nbytes]
+        n_rows = int(np.prod(info.ne[1:], dtype=np.int64)) if len(info.ne) > 1 else 1
+        return raw.view(np.ndarray).reshape(n_rows, info.nbytes // n_rows)
+
+    def read_tensor(self, name: str) -> np.ndarray:
+        """A private copy of tensor ``name``'s bytes, uint8 (n_rows, row_bytes), read from the file.
+
+        Used for weights that are repacked at load: reading (not mapping) keeps the file's pages out of the
+        process's resident set once the repacked copy exists.
+        """
+        view = self.tensor_data(name)
+        with open(self.path, "rb") as f:
+            f.seek(self.tensor(name).offset)
+            data = np.fromfile(f, dtype=np.uint8, count=view.size)
+        if data.size != view.size:
+            raise GGUFError(f"{self.path.name}: tensor {name!r} is cut short; the file is truncated, re-download it")
+        return data.reshape(view.shape)
+
+    def tensor(self, name: str) -> TensorInfo:
+        if name not in self.tensors:
+            raise GGUFError(f"{self.path.name}: tensor {name!r} is missing")
+        return self.tensors[name]
+
+    def type_counts(self) -> dict[str, int]:
+        """Number of tensors of each type, e.g. {'F32': 61, 'Q4_1': 210, 'Q8_0': 1}."""
+        counts: dict[str, int] = {}
+        for t in self.tensors.values():
+            counts[t.type_name] = counts.get(t.type_name, 0) + 1
+        return dict(sorted(counts.items()))
+
+    def n_params(self) -> int:
+        return sum(int(np.prod(t.ne, dtype=np.int64)) for t in self.tensors.values())

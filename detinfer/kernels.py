@@ -1,0 +1,359 @@
+"""Numba kernels of the forward pass, each with one fixed summation order.
+
+Rules that make every output bit-identical across thread counts, prefill chunk sizes and runs
+(measured facts in shared/NUMERICS.md):
+
+- ``prange`` runs only over independent outputs (row groups, heads x tokens), never over a sum.
+- Every reduction is written out sequentially in the source; no fastmath, no BLAS, no ``np.dot``.
+- Quantized matrices are repacked at load so that a group of ``ROWS`` output rows is stored k-major: each
+  output still sums over k in plain sequential order, and LLVM vectorizes *across rows*, which changes no bit.
+- A token's arithmetic never depends on how many other tokens share its chunk: prefill of n tokens computes,
+  for every token, exactly the operations one-token decode does.
+- ``exp`` is float32 ``math.exp`` (glibc ``expf``), identical on every compile target tested.
+
+Indexing goes through slices (``row = a[i]``, then ``row[r]`` with ``r`` from ``range``) so LLVM can see the
+indices are non-negative and vectorize; a computed index would keep numba's negative-index wraparound in the loop.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+from .quants import f32_to_f16_bits
+
+ROWS = 32  # output rows per repacked group (kernels read it from the array shape: a compile-time trip
+# count makes LLVM unroll the row loop into scalar code instead of vectorizing it)
+QK = 32  # elements per block in Q4_0, Q4_1, Q8_0 (GGUF spec)
+PREFETCH_BLOCKS = 2  # how many blocks ahead the weight stream is prefetched
+
+
+@intrinsic
+def _prefetch(typingctx, arr, idx):
+    """Software prefetch of ``arr[idx]`` (llvm.prefetch, read, high locality): a hint that changes no result."""
+
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        ptr = builder.gep(ary.data, [args[1]])
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0"
+        )
+        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return types.none(arr, types.intp), codegen
+
+
+@njit(cache=True, inline="always")
+def _prefetch_block(qs_group, b):
+    """Prefetch block ``b`` of one row group's quants (``qs_group``: [nb, k_per_block, ROWS]) line by line."""
+    if b < qs_group.shape[0]:
+        blk = qs_group[b].reshape(-1)
+        for c in range(0, blk.shape[0], 64):
+            _prefetch(blk, c)
+
+
+@njit(cache=True)
+def block_sums(x, xsum):
+    """Per-block sums of activations: xsum[t, b] = x[t, 32b] + x[t, 32b+1] + ... + x[t, 32b+31], left to right.
+
+    x: float32 [T, n_in]; xsum: float32 [T, n_in // 32] (output). Used by Q4_0/Q4_1 products for the ``m`` term.
+    """
+    for t in range(x.shape[0]):
+        xt = x[t]
+        st = xsum[t]
+        for b in range(st.shape[0]):
+            acc = np.float32(0.0)
+            for j in range(QK):
+                acc += xt[b * QK + j]
+            st[b] = acc
+
+
+@njit(cache=True, parallel=True)
+def matmul_q4(qs, d, m, x, xsum, out):
+    """out[t, r] = sum over blocks b of (d[r,b] * s[r,b,t] + m[r,b] * xsum[t,b]) for Q4_0 / Q4_1 weights.
+
+    qs: uint8 [G, nb, 16, ROWS], byte j of block b for each row of group g: low nibble is element j, high nibble
+    element j+16 (GGUF Q4_1 layout, ggml-quants.c ``block_q4_1``; Q4_0 is loaded with m = -8 d).
+    d, m: float32 [G, nb, ROWS] block scale and minimum; x: float32 [T, nb*32]; xsum: float32 [T, nb] from
+    :func:`block_sums`; out: float32 [T, n_out] with n_out <= G*ROWS (padding rows are not written).
+    Summation order per output: s = sum over j = 0..31 of float(q_j) * x_j, left to right (float32); then
+    blocks left to right: acc = acc + (d*s + m*xsum). Parallel over row groups only; each block's codes are
+    converted to float once and reused by every token of the chunk (the same values decode uses).
+    """
+    G, nb, rows = d.shape[0], d.shape[1], d.shape[2]
+    n_out, T = out.shape[1], x.shape[0]
+    for g in prange(G):
+        acc = np.zeros((T, rows), np.float32)
+        qf = np.empty((QK, rows), np.float32)
+        qg = qs[g]
+        for b in range(nb):
+            _prefetch_block(qg, b + PREFETCH_BLOCKS)
+            qb = qg[b]
+            for j in range(16):
+                qj = qb[j]
+                lo = qf[j]
+                hi = qf[16 + j]
+                for r in range(rows):
+                    lo[r] = np.float32(qj[r] & 15)
+                    hi[r] = np.float32(qj[r] >> 4)
+            db = d[g, b]
+            mb = m[g, b]
+            for t in range(T):
+                xb = x[t, b * QK : b * QK + QK]
+                xs = xsum[t, b]
+                a = acc[t]
+                for r in range(rows):
+                    s = np.float32(0.0)
+                    for j in range(QK):
+                        s += qf[j, r] * xb[j]
+                    a[r] += db[r] * s + mb[r] * xs
+        _store_rows(acc, out, g * rows)
+
+
+@njit(cache=True, parallel=True)
+def matmul_q8_0(qs, d, x, out):
+    """out[t, r] = sum over blocks b of d[r,b] * s[r,b,t] for Q8_0 weights (ggml-quants.c ``block_q8_0``).
+
+    qs: int8 [G, nb, 32, ROWS]; d: float32 [G, nb, ROWS]; x: float32 [T, nb*32]; out: float32 [T, n_out].
+    Summation order per output: s = sum over j = 0..31 of float(q_j) * x_j left to right (float32), then blocks
+    left to right: acc = acc + d*s. Parallel over row groups only.
+    """
+    G, nb, rows = d.shape[0], d.shape[1], d.shape[2]
+    T = x.shape[0]
+    for g in prange(G):
+        acc = np.zeros((T, rows), np.float32)
+        qf = np.empty((QK, rows), np.float32)
+        qg = qs[g]
+        for b in range(nb):
+            _prefetch_block(qg, b + PREFETCH_BLOCKS)
+            qb = qg[b]
+            for j in range(QK):
+                qj = qb[j]
+                f = qf[j]
+                for r in range(rows):
+                    f[r] = np.float32(qj[r])
+            db = d[g, b]
+            for t in range(T):
+                xb = x[t, b * QK : b * QK + QK]
+                a = acc[t]
+                for r in range(rows):
+                    s = np.float32(0.0)
+                    for j in range(QK):
+                        s += qf[j, r] * xb[j]
+                    a[r] += db[r] * s
+        _store_rows(acc, out, g * rows)
+
+
+@njit(cache=True, parallel=True)
+def matmul_dense(w, x, out):
+    """out[t, r] = sum over k of w[r, k] * x[t, k], k left to right (float32), for F32/F16/BF16 weights.
+
+    w: float32 [G, n_in, ROWS] (k-major row groups, exact f32 values of the stored weights);
+    x: float32 [T, n_in]; out: float32 [T, n_out]. Parallel over row groups only.
+    """
+    G, n_in, rows = w.shape[0], w.shape[1], w.shape[2]
+    T = x.shape[0]
+    for g in prange(G):
+        acc = np.zeros((T, rows), np.float32)
+        wg = w[g]
+        for k in range(n_in):
+            wk = wg[k]
+            for t in range(T):
+                xk = x[t, k]
+                a = acc[t]
+                for r in range(rows):
+                    a[r] += wk[r] * xk
+        _store_rows(acc, out, g * rows)
+
+
+@njit(cache=True, inline="always")
+def _store_rows(acc, out, row0):
+    """out[t, row0 + r] = acc[t, r] for the rows that exist (the last group may be padding)."""
+    n = min(acc.shape[1], out.shape[1] - row0)
+    for t in range(acc.shape[0]):
+        o = out[t]
+        a = acc[t]
+        for r in range(n):
+            o[row0 + r] = a[r]
+
+
+@njit(cache=True)
+def rmsnorm(x, w, eps, out):
+    """RMSNorm (Zhang & Sennrich 2019): out[t] = x[t] * (1 / sqrt(mean(x[t]^2) + eps)) * w.
+
+    x, out: float32 [T, n]; w: float32 [n]; eps: float32. Sum of squares left to right in float32; then
+    each element is (x * scale) * w.
+    """
+    n = x.shape[1]
+    for t in range(x.shape[0]):
+        xt = x[t]
+        ss = np.float32(0.0)
+        for i in range(n):
+            ss += xt[i] * xt[i]
+        scale = np.float32(1.0) / np.float32(math.sqrt(ss / np.float32(n) + eps))
+        ot = out[t]
+        for i in range(n):
+            ot[i] = (xt[i] * scale) * w[i]
+
+
+@njit(cache=True)
+def rope_table(n_ctx, n_rot, base):
+    """cos/sin tables for RoPE (Su et al. 2021, RoFormer): angle[p, i] = p * base^(-2i / n_rot).
+
+    Returns (cos, sin), float32 [n_ctx, n_rot // 2], computed in float64 with libm then rounded once.
+    """
+    half = n_rot // 2
+    cos = np.empty((n_ctx, half), np.float32)
+    sin = np.empty((n_ctx, half), np.float32)
+    for i in range(half):
+        inv_freq = math.pow(base, -2.0 * i / n_rot)
+        for p in range(n_ctx):
+            a = p * inv_freq
+            cos[p, i] = math.cos(a)
+            sin[p, i] = math.sin(a)
+    return cos, sin
+
+
+@njit(cache=True)
+def rope_norm(x, positions, n_head, head_dim, cos, sin):
+    """In-place RoPE, llama.cpp "normal" mode (adjacent pairs), as GGUF llama files expect.
+
+    x: float32 [T, n_head * head_dim]; positions: int64 [T]; cos, sin: [n_ctx, head_dim // 2].
+    For each head and pair i: (x0, x1) = (x[2i], x[2i+1]) -> (x0*c - x1*s, x0*s + x1*c).
+    """
+    for t in range(x.shape[0]):
+        c = cos[positions[t]]
+        s = sin[positions[t]]
+        xt = x[t]
+        for h in range(n_head):
+            o = h * head_dim
+            for i in range(head_dim // 2):
+                x0 = xt[o + 2 * i]
+                x1 = xt[o + 2 * i + 1]
+                xt[o + 2 * i] = x0 * c[i] - x1 * s[i]
+                xt[o + 2 * i + 1] = x0 * s[i] + x1 * c[i]
+
+
+@njit(cache=True)
+def swiglu(gate, up, out):
+    """SwiGLU (Shazeer 2020): out = silu(gate) * up with silu(g) = g / (1 + exp(-g)); float32 [T, n_ff]."""
+    for t in range(gate.shape[0]):
+        gt = gate[t]
+        ut = up[t]
+        ot = out[t]
+        for i in range(gt.shape[0]):
+            g = gt[i]
+            ot[i] = (g / (np.float32(1.0) + math.exp(-g))) * ut[i]
+
+
+@njit(cache=True)
+def add_inplace(x, y):
+    """x += y elementwise; float32 [T, n]."""
+    for t in range(x.shape[0]):
+        xt = x[t]
+        yt = y[t]
+        for i in range(xt.shape[0]):
+            xt[i] += yt[i]
+
+
+# --- KV cache storage: float32, or float16 kept as uint16 bits (numba has no float16 type) ---------------
+
+
+def kv_load(a, i, lut):
+    """Element ``i`` of a KV row as float32: ``a[i]``, or ``lut[a[i]]`` for float16 bits."""
+
+
+@overload(kv_load, inline="always")
+def _kv_load(a, i, lut):
+    if a.dtype == types.uint16:
+        return lambda a, i, lut: lut[a[i]]
+    return lambda a, i, lut: a[i]
+
+
+def kv_store(a, i, v):
+    """Store float32 ``v`` at ``a[i]``, rounding to float16 (nearest even) when ``a`` holds float16 bits."""
+
+
+@overload(kv_store, inline="always")
+def _kv_store(a, i, v):
+    if a.dtype == types.uint16:
+
+        def impl(a, i, v):
+            a[i] = f32_to_f16_bits(v)
+
+        return impl
+
+    def impl_f32(a, i, v):
+        a[i] = v
+
+    return impl_f32
+
+
+@njit(cache=True)
+def kv_write(k_cache, v_cache, k, v, pos0):
+    """Append K and V of T tokens at positions pos0 .. pos0+T-1.
+
+    k_cache: [n_head_kv, head_dim, n_ctx] (K stored transposed, so attention scores vectorize over positions);
+    v_cache: [n_head_kv, n_ctx, head_dim]; both float32 or float16 bits (uint16). k, v: float32 [T, n_head_kv*head_dim].
+    """
+    n_kv, hd = k_cache.shape[0], k_cache.shape[1]
+    for t in range(k.shape[0]):
+        p = pos0 + t
+        for g in range(n_kv):
+            for dd in range(hd):
+                kv_store(k_cache[g, dd], p, k[t, g * hd + dd])
+                kv_store(v_cache[g, p], dd, v[t, g * hd + dd])
+
+
+@njit(cache=True, parallel=True)
+def attention(q, k_cache, v_cache, pos0, n_head, scale, lut, out):
+    """Causal grouped-query attention of T query tokens at positions pos0.. against the KV cache.
+
+    q: float32 [T, n_head*head_dim] (after RoPE); k_cache: [n_head_kv, head_dim, n_ctx]; v_cache:
+    [n_head_kv, n_ctx, head_dim] (float32, or uint16 float16 bits decoded through ``lut``); out: float32
+    [T, n_head*head_dim]. Query head h reads KV head h // (n_head / n_head_kv) (GQA, Ainslie et al. 2023).
+    For query t at position p = pos0 + t and every key position i <= p, in this order:
+    score_i = (sum over d of q_d * k_id, d left to right) * scale; m = max_i score_i;
+    e_i = expf(score_i - m); z = sum of e_i, i left to right; out_d = (sum of e_i * v_id, i left to right) / z.
+    Parallel over (token, head) pairs only.
+    """
+    T = q.shape[0]
+    n_kv, hd = k_cache.shape[0], k_cache.shape[1]
+    group = n_head // n_kv
+    for job in prange(T * n_head):
+        t = job // n_head
+        h = job % n_head
+        g = h // group
+        n = pos0 + t + 1
+        qt = q[t]
+        s = np.zeros(n, np.float32)
+        for dd in range(hd):
+            qd = qt[h * hd + dd]
+            krow = k_cache[g, dd]
+            for i in range(n):
+                s[i] += qd * kv_load(krow, i, lut)
+        mx = np.float32(-np.inf)
+        for i in range(n):
+            s[i] = s[i] * scale
+            mx = max(mx, s[i])
+        z = np.float32(0.0)
+        for i in range(n):
+            s[i] = math.exp(s[i] - mx)
+            z += s[i]
+        acc = np.zeros(hd, np.float32)
+        for i in range(n):
+            e = s[i]
+            vrow = v_cache[g, i]
+            for dd in range(hd):
+                acc[dd] += e * kv_load(vrow, dd, lut)
+        ot = out[t]
+        for dd in range(hd):
+            ot[h * hd + dd] = acc[dd] / z

@@ -1,0 +1,179 @@
+"""Run manifests: everything an output depends on, hashed, in canonical JSON.
+
+"Contract" fields (model, tokenizer, template, prompt, sampling, engine settings, outputs) are what a
+re-execution must reproduce. "Informative" fields (threads, chunk size, timings, CPU, versions) are recorded
+and shown but never compared. ``section_sha256`` holds one hash per contract section, so an edited manifest
+is caught and the edited section named.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import ManifestError
+from .fileio import atomic_write_text
+
+SCHEMA_VERSION = 1
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def tokens_sha256(tokens: list[int]) -> str:
+    """sha256 of token ids as comma-separated decimal text (e.g. "504,3575,282")."""
+    return hashlib.sha256(",".join(str(t) for t in tokens).encode()).hexdigest()
+
+
+class Message(_Record):
+    role: str
+    content: str
+
+
+class ModelRecord(_Record):
+    file_name: str
+    registry_name: str | None = None
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    architecture: str
+    tensor_types: dict[str, int]
+
+
+class PromptRecord(_Record):
+    text: str | None = None
+    messages: list[Message] | None = None
+    chat: bool
+    rendered: str
+    token_ids: list[int]
+    tokens_sha256: str
+
+
+class EngineRecord(_Record):
+    n_ctx: int
+    kv_type: Literal["f32", "f16"]
+
+
+class SamplingRecord(_Record):
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repetition_penalty: float
+    repeat_last_n: int
+    seed: int
+    max_tokens: int
+    stop: list[str]
+    ignore_eos: bool
+
+
+class OutputRecord(_Record):
+    token_ids: list[int]
+    text: str
+    stop_reason: Literal["eos", "stop", "max_tokens", "length"]
+    tokens_sha256: str
+    kv_sha256: str
+    logits_digests: list[str]
+    top_logits: list[list[tuple[int, float]]]
+
+
+class Informative(_Record):
+    threads: int
+    chunk_size: int
+    timings: dict[str, float]
+    cpu: str
+    versions: dict[str, str]
+    model_path: str
+
+
+CONTRACT_FIELDS = ("model", "tokenizer_sha256", "chat_template_sha256", "prompt", "sampling", "engine", "output")
+
+
+class RunManifest(_Record):
+    """A recorded run. Load with :func:`load_manifest`, write with :func:`write_manifest`."""
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    model: ModelRecord
+    tokenizer_sha256: str
+    chat_template_sha256: str | None
+    prompt: PromptRecord
+    sampling: SamplingRecord
+    engine: EngineRecord
+    output: OutputRecord
+    section_sha256: dict[str, str] = {}
+    informative: Informative
+
+    def contract(self) -> dict[str, Any]:
+        """The fields a re-execution must reproduce, as JSON-able data."""
+        return self.model_dump(mode="json", include=set(CONTRACT_FIELDS))
+
+    def compute_section_sha256(self) -> dict[str, str]:
+        """sha256 of the canonical JSON of each contract section."""
+        contract = self.contract()
+        return {k: hashlib.sha256(canonical_json(contract[k]).encode()).hexdigest() for k in CONTRACT_FIELDS}
+
+    def sealed(self) -> "RunManifest":
+        """This manifest with ``section_sha256`` filled in."""
+        return self.model_copy(update={"section_sha256": self.compute_section_sha256()})
+
+
+def canonical_json(data: Any) -> str:
+    """Sorted keys, 2-space indent, UTF-8 (not ASCII-escaped), trailing newline: one byte form per content."""
+    return json.dumps(data, sort_keys=True, indent=2, ensure_ascii=False) + "\n"
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def write_manifest(manifest: RunManifest, path: str | Path) -> None:
+    """Seal and write ``manifest`` atomically as canonical JSON."""
+    atomic_write_text(path, canonical_json(manifest.sealed().model_dump(mode="json")))
+
+
+def load_manifest(path: str | Path) -> RunManifest:
+    """Read and check a manifest.
+
+    Raises ManifestError (one line) if the file is unreadable, not JSON, from another schema version,
+    schema-invalid, or edited after it was written (naming the section whose hash no longer matches).
+    """
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ManifestError(f"cannot read manifest {path}: {e.strerror or e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ManifestError(f"{path} is not a JSON manifest ({e}); it may be truncated") from None
+    if not isinstance(data, dict):
+        raise ManifestError(f"{path} is not a manifest: expected a JSON object")
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise ManifestError(
+            f"{path} has schema_version {version!r}; this detinfer (schema {SCHEMA_VERSION}) cannot read it"
+            + ("; upgrade detinfer" if isinstance(version, int) and version > SCHEMA_VERSION else "")
+        )
+    try:
+        manifest = RunManifest.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        raise ManifestError(f"{path} is not a valid manifest: {loc}: {err['msg']} ({e.error_count()} error(s))") from None
+    for section in (manifest.prompt, manifest.output):
+        if tokens_sha256(section.token_ids) != section.tokens_sha256:
+            name = "prompt" if section is manifest.prompt else "output"
+            raise ManifestError(f"{path}: {name}.token_ids do not match {name}.tokens_sha256; the manifest was edited")
+    expected = manifest.compute_section_sha256()
+    edited = [k for k in CONTRACT_FIELDS if manifest.section_sha256.get(k) != expected[k]]
+    if edited:
+        raise ManifestError(f"{path}: section(s) {', '.join(edited)} no longer match their sha256; the manifest was edited")
+    return manifest

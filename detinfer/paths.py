@@ -1,0 +1,15 @@
+"""Where detinfer keeps its files: ``$DETINFER_HOME`` (default ``~/.cache/detinfer``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def detinfer_home() -> Path:
+    """The cache root: models under ``models/``, parsed GGUF indexes under ``index/``."""
+    return Path(os.environ.get("DETINFER_HOME") or Path.home() / ".cache" / "detinfer")
+
+
+def models_dir() -> Path:
+    return detinfer_home() / "models"

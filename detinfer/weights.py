@@ -1,0 +1,203 @@
+"""Weights: GGUF tensors mapped to the forward pass, matrices repacked once at load for the kernels.
+
+Quantized blocks stay quantized: a repacked Q4_1 matrix holds the same 4-bit codes, with each block's f16
+scale and minimum widened (exactly) to f32, regrouped so that ``kernels.ROWS`` output rows are stored
+k-major (see kernels.py). The per-architecture part is a table of tensor names and shapes
+(:func:`llama_tensor_shapes`); adding an architecture means adding such a table and the few lines of the
+forward pass that differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from . import kernels
+from .config import ModelConfig
+from .errors import GGUFError
+from .gguf_file import SUPPORTED_TYPES, ModelFile
+from .quants import F16_TO_F32, dequantize
+
+Q = GGMLQuantizationType
+R = kernels.ROWS
+
+
+def _groups(a: np.ndarray) -> np.ndarray:
+    """Pad axis 0 (rows) with zeros to a multiple of ROWS and split it: [n, ...] -> [G, ROWS, ...]."""
+    n = a.shape[0]
+    g = -(-n // R)
+    if g * R != n:
+        a = np.concatenate([a, np.zeros((g * R - n,) + a.shape[1:], a.dtype)])
+    return a.reshape((g, R) + a.shape[1:])
+
+
+def _k_major(a: np.ndarray) -> np.ndarray:
+    """[n_rows, ...] -> [G, ..., ROWS] contiguous: row groups with the row index innermost."""
+    a = _groups(a)
+    return np.ascontiguousarray(np.moveaxis(a, 1, -1))
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """Little-endian f16 bytes [..., 2] -> exact float32 values [...]."""
+    return F16_TO_F32[np.ascontiguousarray(raw).view("<u2")[..., 0]]
+
+
+@dataclass(frozen=True)
+class QMatrix:
+    """A weight matrix of shape (n_out, n_in) ready for the matmul kernels.
+
+    kind "q4" (Q4_0/Q4_1): arrays (qs uint8 [G, nb, 16, ROWS], d float32 [G, nb, ROWS], m float32 [G, nb, ROWS]);
+    kind "q8_0": (qs int8 [G, nb, 32, ROWS], d); kind "dense" (F32/F16/BF16): (w float32 [G, n_in, ROWS]).
+    """
+
+    name: str
+    ggml_type: GGMLQuantizationType
+    n_out: int
+    n_in: int
+    kind: str
+    arrays: tuple
+
+    @classmethod
+    def from_raw(cls, name: str, ggml_type: GGMLQuantizationType, raw: np.ndarray, n_in: int) -> "QMatrix":
+        """Repack raw GGUF rows (uint8 [n_out, row_bytes]) of ``ggml_type`` into the kernels' layout."""
+        n_out = raw.shape[0]
+        if ggml_type in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+            block_bytes = GGML_QUANT_SIZES[ggml_type][1]
+            blocks = raw.reshape(n_out, n_in // kernels.QK, block_bytes)
+            d = _f16(blocks[:, :, 0:2])
+            if ggml_type == Q.Q8_0:
+                qs = blocks[:, :, 2:].view(np.int8)
+                return cls(name, ggml_type, n_out, n_in, "q8_0", (_k_major(qs), _k_major(d)))
+            if ggml_type == Q.Q4_1:
+                m, qs = _f16(blocks[:, :, 2:4]), blocks[:, :, 4:]
+            else:  # Q4_0: x = d * (q - 8) = d * q + (-8 d), and -8 d is exact in f32
+                m, qs = d * np.float32(-8.0), blocks[:, :, 2:]
+            return cls(name, ggml_type, n_out, n_in, "q4", (_k_major(qs), _k_major(d), _k_major(m)))
+        w = dequantize(raw, ggml_type)  # F32 / F16 / BF16: widening to f32 is exact
+        return cls(name, ggml_type, n_out, n_in, "dense", (_k_major(w),))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
+
+    def __call__(self, x: np.ndarray, xsum: np.ndarray, out: np.ndarray) -> None:
+        """out[T, n_out] = x[T, n_in] @ W.T, with xsum = kernels.block_sums(x) precomputed by the caller."""
+        if self.kind == "q4":
+            kernels.matmul_q4(*self.arrays, x, xsum, out)
+        elif self.kind == "q8_0":
+            kernels.matmul_q8_0(*self.arrays, x, out)
+        else:
+            kernels.matmul_dense(*self.arrays, x, out)
+
+
+def llama_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Expected GGUF tensors of a llama model and their numpy shapes (n_out, n_in) / (n,).
+
+    Names from llama.cpp's tensor map (gguf-py ``gguf.constants.MODEL_TENSORS[LLAMA]``).
+    """
+    shapes: dict[str, tuple[int, ...]] = {
+        "token_embd.weight": (cfg.n_vocab, cfg.n_embd),
+        "output_norm.weight": (cfg.n_embd,),
+    }
+    if not cfg.tied_embeddings:
+        shapes["output.weight"] = (cfg.n_vocab, cfg.n_embd)
+    q_width = cfg.n_head * cfg.head_dim
+    for i in range(cfg.n_layer):
+        p = f"blk.{i}."
+        shapes.update(
+            {
+                p + "attn_norm.weight": (cfg.n_embd,),
+                p + "attn_q.weight": (q_width, cfg.n_embd),
+                p + "attn_k.weight": (cfg.kv_width, cfg.n_embd),
+                p + "attn_v.weight": (cfg.kv_width, cfg.n_embd),
+                p + "attn_output.weight": (cfg.n_embd, q_width),
+                p + "ffn_norm.weight": (cfg.n_embd,),
+                p + "ffn_gate.weight": (cfg.n_ff, cfg.n_embd),
+                p + "ffn_up.weight": (cfg.n_ff, cfg.n_embd),
+                p + "ffn_down.weight": (cfg.n_embd, cfg.n_ff),
+            }
+        )
+    return shapes
+
+
+def validate_tensors(mf: ModelFile, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Check that every expected tensor exists with its shape and a supported type, before any kernel runs.
+
+    Raises GGUFError naming the first tensor that is missing, misshapen or of an unsupported type.
+    """
+    for name, shape in shapes.items():
+        info = mf.tensor(name)
+        if info.shape != shape:
+            raise GGUFError(f"{mf.path.name}: tensor {name!r} has shape {info.shape}, expected {shape}")
+        if info.ggml_type not in SUPPORTED_TYPES:
+            raise GGUFError(
+                f"{mf.path.name}: tensor {name!r} has type {info.type_name}, which detinfer does not support "
+                f"(supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))})"
+            )
+        if len(shape) == 1 and info.ggml_type != Q.F32:
+            raise GGUFError(f"{mf.path.name}: norm tensor {name!r} has type {info.type_name}, expected F32")
+
+
+def _matrix(mf: ModelFile, *names: str) -> QMatrix:
+    """One QMatrix of the rows of ``names`` stacked in order (fused projections share one kernel call).
+
+    Fusing changes no result: every output row keeps its own summation order.
+    """
+    infos = [mf.tensor(n) for n in names]
+    if len({i.ggml_type for i in infos}) > 1:
+        raise GGUFError(f"{mf.path.name}: tensors {', '.join(names)} must share one type to be fused")
+    raw = np.concatenate([mf.read_tensor(n) for n in names]) if len(names) > 1 else mf.read_tensor(names[0])
+    return QMatrix.from_raw("+".join(names), infos[0].ggml_type, raw, infos[0].shape[1])
+
+
+@dataclass(frozen=True)
+class LlamaLayer:
+    attn_norm: np.ndarray  # float32 [n_embd]
+    attn_qkv: QMatrix  # rows: q (n_head*head_dim), k (kv_width), v (kv_width)
+    attn_output: QMatrix
+    ffn_norm: np.ndarray
+    ffn_gate_up: QMatrix  # rows: gate (n_ff), up (n_ff)
+    ffn_down: QMatrix
+
+
+@dataclass(frozen=True)
+class LlamaWeights:
+    token_embd: np.ndarray  # raw rows uint8 [n_vocab, row_bytes], memory-mapped: one row is dequantized per token
+    token_embd_type: GGMLQuantizationType
+    layers: tuple[LlamaLayer, ...]
+    output_norm: np.ndarray
+    output: QMatrix
+
+    @classmethod
+    def load(cls, mf: ModelFile, cfg: ModelConfig) -> "LlamaWeights":
+        validate_tensors(mf, llama_tensor_shapes(cfg))
+
+        def norm(name: str) -> np.ndarray:
+            return np.ascontiguousarray(mf.read_tensor(name).view(np.float32).reshape(-1))
+
+        layers = tuple(
+            LlamaLayer(
+                attn_norm=norm(f"blk.{i}.attn_norm.weight"),
+                attn_qkv=_matrix(mf, f"blk.{i}.attn_q.weight", f"blk.{i}.attn_k.weight", f"blk.{i}.attn_v.weight"),
+                attn_output=_matrix(mf, f"blk.{i}.attn_output.weight"),
+                ffn_norm=norm(f"blk.{i}.ffn_norm.weight"),
+                ffn_gate_up=_matrix(mf, f"blk.{i}.ffn_gate.weight", f"blk.{i}.ffn_up.weight"),
+                ffn_down=_matrix(mf, f"blk.{i}.ffn_down.weight"),
+            )
+            for i in range(cfg.n_layer)
+        )
+        return cls(
+            token_embd=mf.tensor_data("token_embd.weight"),
+            token_embd_type=mf.tensor("token_embd.weight").ggml_type,
+            layers=layers,
+            output_norm=norm("output_norm.weight"),
+            output=_matrix(mf, "token_embd.weight" if cfg.tied_embeddings else "output.weight"),
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by repacked matrices (the memory-mapped embedding rows are not counted)."""
+        mats = [self.output] + [m for layer in self.layers for m in (layer.attn_qkv, layer.attn_output, layer.ffn_gate_up, layer.ffn_down)]
+        return sum(m.nbytes for m in mats)

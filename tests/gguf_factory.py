@@ -1,0 +1,223 @@
+"""Tiny synthetic GGUF files written with gguf-py's ``GGUFWriter``, for tests that need other shapes or broken files.
+
+The default is a llama model the engine can load and run: n_embd 64, 2 layers, 4 query heads over 2 KV heads
+(head_dim 16), n_ff 128, and a 299-token byte-level BPE vocabulary (3 control tokens, 256 byte tokens, 40
+merges learned from a fixed sentence). Weights are seeded random normals, so every call writes the same bytes.
+Keyword overrides break one thing at a time: architecture, tensor types, a dropped tensor, a wrong shape,
+dropped or extra metadata.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, TokenType
+from gguf.quants import quantize
+
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2 as in SmolLM2
+CORPUS = "hi there, the cat is on the mat; this is the end of it. hello world, the sun is high in the sky"
+N_MERGES = 40
+
+# ChatML, as SmolLM2's template renders it (without the default system message).
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Quantized types gguf-py can produce from floats; any other type is written as zero bytes of the right size
+# (enough for a file that must be rejected before its data is read).
+_QUANTIZABLE = {GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1}
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte -> printable character table, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in printable}
+    n = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + n)
+            n += 1
+    return [table[b] for b in range(256)]
+
+
+def bpe_vocab(n_merges: int = N_MERGES) -> tuple[list[str], list[str], list[int]]:
+    """(tokens, merges, token_types) of a small byte-level BPE learned greedily from CORPUS.
+
+    Ties between equally frequent pairs go to the lexicographically smallest pair, so the result is fixed.
+    """
+    chars = _byte_chars()
+    words = [[chars[b] for b in w.encode()] for w in re.findall(r" ?[a-z]+| ?[^\sa-z]+", CORPUS)]
+    merges: list[str] = []
+    merged: list[str] = []
+    for _ in range(n_merges):
+        pairs = Counter((a, b) for w in words for a, b in zip(w, w[1:]))
+        if not pairs:
+            break
+        best = min(pairs, key=lambda p: (-pairs[p], p))
+        merges.append(f"{best[0]} {best[1]}")
+        merged.append(best[0] + best[1])
+        for w in words:
+            i = 0
+            while i < len(w) - 1:
+                if (w[i], w[i + 1]) == best:
+                    w[i : i + 2] = [best[0] + best[1]]
+                else:
+                    i += 1
+    tokens = [*SPECIALS, *chars, *merged]
+    types = [int(TokenType.CONTROL)] * len(SPECIALS) + [int(TokenType.NORMAL)] * (len(chars) + len(merged))
+    return tokens, merges, types
+
+
+@dataclass(frozen=True)
+class TinyConfig:
+    n_embd: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    n_head_kv: int = 2
+    n_ff: int = 128
+    n_ctx_train: int = 8192
+    rope_freq_base: float = 10000.0
+    rms_norm_eps: float = 1e-5
+
+
+def tensor_shapes(cfg: TinyConfig, n_vocab: int, *, tied: bool = True) -> dict[str, tuple[int, ...]]:
+    """Llama tensor names and numpy shapes (n_out, n_in) / (n,) for ``cfg``."""
+    head_dim = cfg.n_embd // cfg.n_head
+    kv = cfg.n_head_kv * head_dim
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (n_vocab, cfg.n_embd), "output_norm.weight": (cfg.n_embd,)}
+    if not tied:
+        shapes["output.weight"] = (n_vocab, cfg.n_embd)
+    for i in range(cfg.n_layer):
+        p = f"blk.{i}."
+        shapes.update(
+            {
+                p + "attn_norm.weight": (cfg.n_embd,),
+                p + "attn_q.weight": (cfg.n_embd, cfg.n_embd),
+                p + "attn_k.weight": (kv, cfg.n_embd),
+                p + "attn_v.weight": (kv, cfg.n_embd),
+                p + "attn_output.weight": (cfg.n_embd, cfg.n_embd),
+                p + "ffn_norm.weight": (cfg.n_embd,),
+                p + "ffn_gate.weight": (cfg.n_ff, cfg.n_embd),
+                p + "ffn_up.weight": (cfg.n_ff, cfg.n_embd),
+                p + "ffn_down.weight": (cfg.n_embd, cfg.n_ff),
+            }
+        )
+    return shapes
+
+
+def _tensor_data(shape: tuple[int, ...], qtype: GGMLQuantizationType, rng: np.random.Generator, norm: bool) -> np.ndarray:
+    """Seeded weights of ``shape`` stored as ``qtype``: float arrays for F32/F16, uint8 block bytes otherwise."""
+    w = (1.0 + 0.1 * rng.standard_normal(shape) if norm else 0.2 * rng.standard_normal(shape)).astype(np.float32)
+    if qtype == GGMLQuantizationType.F32:
+        return w
+    if qtype == GGMLQuantizationType.F16:
+        return w.astype(np.float16)
+    if qtype in _QUANTIZABLE:
+        return quantize(w, qtype)
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    if shape[-1] % block:
+        raise ValueError(f"row length {shape[-1]} is not a multiple of the {qtype.name} block size {block}")
+    return np.zeros((*shape[:-1], shape[-1] // block * type_size), np.uint8)
+
+
+def write_tiny_gguf(
+    path: str | Path,
+    *,
+    architecture: str = "llama",
+    config: TinyConfig = TinyConfig(),
+    matrix_type: str = "F32",
+    types: dict[str, str] | None = None,
+    shapes: dict[str, tuple[int, ...]] | None = None,
+    drop_tensors: tuple[str, ...] = (),
+    tied: bool = True,
+    chat_template: str | None = None,
+    pre: str = "smollm",
+    drop_metadata: tuple[str, ...] = (),
+    extra_metadata: dict[str, tuple[Any, GGUFValueType]] | None = None,
+    seed: int = 0,
+) -> Path:
+    """Write a tiny model to ``path`` and return it.
+
+    matrix_type: GGML type name of every 2-D tensor (norms stay F32); ``types`` overrides single tensors by name.
+    shapes: numpy-order shapes replacing the correct ones for the named tensors.
+    drop_tensors / drop_metadata: names left out of the file. extra_metadata: key -> (value, GGUFValueType).
+    chat_template: None writes no ``tokenizer.chat_template`` (see CHATML for one that works).
+    """
+    path = Path(path)
+    tokens, merges, token_types = bpe_vocab()
+    rng = np.random.default_rng(seed)
+    arch = architecture
+    head_dim = config.n_embd // config.n_head
+    metadata: dict[str, tuple[Any, GGUFValueType]] = {
+        f"{arch}.context_length": (config.n_ctx_train, GGUFValueType.UINT32),
+        f"{arch}.embedding_length": (config.n_embd, GGUFValueType.UINT32),
+        f"{arch}.block_count": (config.n_layer, GGUFValueType.UINT32),
+        f"{arch}.feed_forward_length": (config.n_ff, GGUFValueType.UINT32),
+        f"{arch}.attention.head_count": (config.n_head, GGUFValueType.UINT32),
+        f"{arch}.attention.head_count_kv": (config.n_head_kv, GGUFValueType.UINT32),
+        f"{arch}.attention.layer_norm_rms_epsilon": (config.rms_norm_eps, GGUFValueType.FLOAT32),
+        f"{arch}.rope.freq_base": (config.rope_freq_base, GGUFValueType.FLOAT32),
+        f"{arch}.rope.dimension_count": (head_dim, GGUFValueType.UINT32),
+        "general.name": ("tiny-test", GGUFValueType.STRING),
+        "tokenizer.ggml.model": ("gpt2", GGUFValueType.STRING),
+        "tokenizer.ggml.pre": (pre, GGUFValueType.STRING),
+        "tokenizer.ggml.tokens": (tokens, GGUFValueType.ARRAY),
+        "tokenizer.ggml.token_type": (token_types, GGUFValueType.ARRAY),
+        "tokenizer.ggml.merges": (merges, GGUFValueType.ARRAY),
+        "tokenizer.ggml.bos_token_id": (1, GGUFValueType.UINT32),
+        "tokenizer.ggml.eos_token_id": (2, GGUFValueType.UINT32),
+        "tokenizer.ggml.add_bos_token": (False, GGUFValueType.BOOL),
+    }
+    if chat_template is not None:
+        metadata["tokenizer.chat_template"] = (chat_template, GGUFValueType.STRING)
+    metadata.update(extra_metadata or {})
+
+    writer = GGUFWriter(path, arch)  # writes general.architecture itself
+    for key, (value, vtype) in metadata.items():
+        if key in drop_metadata:
+            continue
+        if vtype == GGUFValueType.ARRAY:
+            sub = GGUFValueType.STRING if isinstance(value[0], str) else GGUFValueType.INT32
+            writer.add_key_value(key, value, vtype, sub_type=sub)
+        else:
+            writer.add_key_value(key, value, vtype)
+    for name, shape in tensor_shapes(config, len(tokens), tied=tied).items():
+        shape = (shapes or {}).get(name, shape)
+        if name in drop_tensors:
+            continue
+        norm = name.endswith("norm.weight")
+        type_name = (types or {}).get(name, "F32" if norm else matrix_type)
+        qtype = GGMLQuantizationType[type_name]
+        data = _tensor_data(shape, qtype, rng, norm)
+        writer.add_tensor(name, data, raw_dtype=None if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) else qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Byte ranges of a GGUF file's parts: header [0, 24), metadata [24, tensor_infos), tensor infos
+    [tensor_infos, data), tensor data [data, size)."""
+
+    tensor_infos: int
+    data: int
+    size: int
+
+
+def layout(path: str | Path) -> Layout:
+    """Where the metadata, tensor infos and tensor data of a (valid) GGUF file begin."""
+    reader = GGUFReader(path)
+    return Layout(
+        tensor_infos=min(t.field.offset for t in reader.tensors),
+        data=min(t.data_offset for t in reader.tensors),
+        size=Path(path).stat().st_size,
+    )

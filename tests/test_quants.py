@@ -1,0 +1,254 @@
+"""Block formats against gguf-py, bit for bit; the f16 conversion against numpy, bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from detinfer.gguf_file import ModelFile
+from detinfer.quants import F16_TO_F32, dequantize, dequantize_row, f32_to_f16_array, f32_to_f16_bits
+
+ALL_TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1]
+QUANT_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1]
+
+# Block layouts of ggml-common.h (block_q8_0, block_q4_0, block_q4_1), packed as in the file.
+BLOCK_DTYPES = {
+    T.Q8_0: np.dtype([("d", "<f2"), ("qs", "i1", (32,))]),
+    T.Q4_0: np.dtype([("d", "<f2"), ("qs", "u1", (16,))]),
+    T.Q4_1: np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", (16,))]),
+}
+
+
+def assert_bits_equal(got: np.ndarray, want: np.ndarray, block_size: int = 32) -> None:
+    """Bitwise equality of two float32 arrays (n_rows, n_cols); on failure name the first differing element."""
+    assert got.shape == want.shape, f"shape {got.shape} != {want.shape}"
+    g = np.ascontiguousarray(got).view(np.uint32)
+    w = np.ascontiguousarray(want).view(np.uint32)
+    bad = np.argwhere(g != w)
+    if len(bad):
+        r, c = (int(v) for v in bad[0])
+        pytest.fail(
+            f"{len(bad)} elements differ; first at row {r}, block {c // block_size}, element {c % block_size}: "
+            f"got {got[r, c]!r} (0x{g[r, c]:08x}), want {want[r, c]!r} (0x{w[r, c]:08x})"
+        )
+
+
+def assert_f16_equal(src: np.ndarray, got: np.ndarray) -> None:
+    """got (uint16) must equal numpy's float32 -> float16 cast of src bit for bit."""
+    with np.errstate(all="ignore"):  # numpy warns on overflow to inf
+        want = src.astype(np.float16).view(np.uint16)
+    bad = np.flatnonzero(got != want)
+    if len(bad):
+        i = bad[0]
+        pytest.fail(
+            f"{len(bad)} of {len(src)} differ; first: f32 0x{src.view(np.uint32)[i]:08x} ({src[i]!r}) -> "
+            f"got 0x{got[i]:04x}, numpy 0x{want[i]:04x}"
+        )
+
+
+def convert(src: np.ndarray) -> np.ndarray:
+    src = np.ascontiguousarray(src, dtype=np.float32)
+    dst = np.empty(src.shape, dtype=np.uint16)
+    f32_to_f16_array(src, dst)
+    return dst
+
+
+# ---- f16 -> f32 table ------------------------------------------------------------------------------
+
+
+def test_f16_table_matches_numpy_for_all_65536_patterns():
+    h = np.arange(65536, dtype=np.uint16)
+    want = h.view(np.float16).astype(np.float32)
+    assert F16_TO_F32.dtype == np.float32 and F16_TO_F32.shape == (65536,)
+    bad = np.flatnonzero(F16_TO_F32.view(np.uint32) != want.view(np.uint32))
+    assert not len(bad), f"{len(bad)} differ; first f16 0x{bad[0]:04x}: table {F16_TO_F32[bad[0]]!r}, numpy {want[bad[0]]!r}"
+    assert not F16_TO_F32.flags.writeable
+
+
+# ---- f32 -> f16 --------------------------------------------------------------------------------------
+
+
+def test_f32_to_f16_all_half_values_midpoints_and_neighbours():
+    h = np.arange(65536, dtype=np.uint16)
+    exact = h.view(np.float16).astype(np.float32)  # every half, NaNs and infs included
+    # Midpoints of consecutive non-negative finite halves (0x0000..0x7bff, and 65504..65536 past the top):
+    # exact in float32, since a half has 11 significant bits. These are the ties.
+    pos = np.append(exact[:0x7C00].astype(np.float64), 65536.0)
+    mid = ((pos[:-1] + pos[1:]) / 2).astype(np.float32)
+    mid = np.concatenate([mid, -mid])
+    below = np.nextafter(mid, np.float32(0))
+    above = np.nextafter(mid, np.float32(np.inf) * np.sign(mid))
+    with np.errstate(invalid="ignore"):  # nextafter of a NaN
+        toward_zero = np.nextafter(exact, np.float32(0))
+    src = np.concatenate([exact, mid, below, above, toward_zero])
+    assert_f16_equal(src, convert(src))
+
+
+def test_f32_to_f16_rounding_bit_patterns():
+    # every sign / exponent / top-7-mantissa combination with the low 16 bits at rounding boundaries
+    hi = np.arange(65536, dtype=np.uint32) << 16
+    lo = np.array(
+        [0x0000, 0x0001, 0x0FFF, 0x1000, 0x1001, 0x1FFF, 0x2000, 0x2001, 0x2FFF, 0x3000, 0x3001, 0x3FFF,
+         0x4000, 0x5000, 0x6000, 0x7000, 0x7FFF, 0x8000, 0x8001, 0x9000, 0xB000, 0xD000, 0xF000, 0xFFFF],
+        dtype=np.uint32,
+    )
+    src = (hi[:, None] | lo[None, :]).ravel().view(np.float32)
+    assert_f16_equal(src, convert(src))
+
+
+def test_f32_to_f16_random_bit_patterns():
+    src = np.random.default_rng(20240501).integers(0, 2**32, size=1 << 20, dtype=np.uint32).view(np.float32)
+    assert_f16_equal(src, convert(src))
+
+
+def test_f32_to_f16_huge_tiny_and_special_values():
+    powers = np.ldexp(np.float32(1.0), np.arange(-149, 128)).astype(np.float32)  # f32 subnormals to 2^127
+    special = np.array(
+        [0.0, 65504.0, 65519.996, 65520.0, 65535.0, 65536.0, 1e10, 3.4028235e38, np.inf, 2.0**-24, 2.0**-25,
+         1.5 * 2.0**-25, 2.0**-14, 2.0**-14 - 2.0**-25, 6.1e-5, 1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11],
+        dtype=np.float32,
+    )
+    nans = np.array([0x7F800001, 0x7F801FFF, 0x7F802000, 0x7FA00000, 0x7FC00000, 0x7FFFFFFF, 0x7FC00001], dtype=np.uint32)
+    src = np.concatenate([powers, powers * np.float32(1.75), special, nans.view(np.float32)])
+    src = np.concatenate([src, -src])
+    got = convert(src)
+    assert_f16_equal(src, got)
+    # The scalar entry point gives the same bits as the array one. Called from Python, numba unboxes a
+    # float32 through a C double, which quiets signalling NaNs before the function sees them: skip those.
+    bits = src.view(np.uint32)
+    signalling = ((bits & 0x7F800000) == 0x7F800000) & ((bits & 0x7FFFFF) != 0) & ((bits & 0x400000) == 0)
+    scalar = np.array([f32_to_f16_bits(x) for x in src[~signalling]], dtype=np.uint16)
+    assert np.array_equal(scalar, got[~signalling])
+
+
+def test_f32_to_f16_array_rejects_length_mismatch():
+    with pytest.raises(ValueError):
+        f32_to_f16_array(np.zeros(4, np.float32), np.zeros(3, np.uint16))
+
+
+# ---- dequantization against gguf-py ---------------------------------------------------------------
+
+
+def random_rows(qtype: T, n_rows: int, n_cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random valid rows of ``qtype``: (n_rows, row_bytes) uint8.
+
+    Float types get random bit patterns (NaNs and infs included: widening must keep them bit for bit).
+    Quantized types get finite non-zero f16 scales of realistic magnitude and random quants.
+    """
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    row_bytes = n_cols // block_size * type_size
+    if qtype not in BLOCK_DTYPES:
+        return rng.integers(0, 256, size=(n_rows, row_bytes), dtype=np.uint8)
+    n_blocks = n_rows * n_cols // block_size
+    blocks = np.zeros(n_blocks, dtype=BLOCK_DTYPES[qtype])
+    magnitude = rng.uniform(1e-4, 0.08, n_blocks)
+    if qtype == T.Q4_1:
+        blocks["d"] = magnitude  # (max - min) / 15 >= 0
+        blocks["m"] = rng.uniform(-0.6, 0.1, n_blocks) + 1e-3  # the block minimum
+    else:
+        blocks["d"] = magnitude * rng.choice([-1.0, 1.0], n_blocks)
+    raw_qs = rng.integers(0, 256, size=blocks["qs"].shape, dtype=np.uint8)
+    blocks["qs"] = raw_qs.view(blocks["qs"].dtype)
+    assert np.all(blocks["d"] != 0) and np.all(np.isfinite(blocks["d"]))
+    return blocks.view(np.uint8).reshape(n_rows, row_bytes)
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_dequantize_matches_gguf_on_random_rows(qtype):
+    rng = np.random.default_rng(int(qtype) + 1)
+    raw = random_rows(qtype, 3, 512, rng)
+    with np.errstate(all="ignore"):
+        want = gguf_dequantize(raw, qtype)
+    got = dequantize(raw, qtype)
+    assert got.dtype == np.float32 and got.shape == (3, 512)
+    assert np.count_nonzero(got) > 0.8 * got.size
+    assert_bits_equal(got, want, GGML_QUANT_SIZES[qtype][0])
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda t: t.name)
+def test_dequantize_matches_gguf_on_gguf_quantized_rows(qtype):
+    x = (np.random.default_rng(7).standard_normal((2, 1024)) * 0.05).astype(np.float32)
+    raw = gguf_quantize(x, qtype)
+    assert_bits_equal(dequantize(raw, qtype), gguf_dequantize(raw, qtype))
+
+
+@pytest.mark.parametrize(
+    "qtype, field", [(T.Q8_0, "d"), (T.Q4_0, "d"), (T.Q4_1, "d"), (T.Q4_1, "m")], ids=lambda v: getattr(v, "name", v)
+)
+def test_dequantize_matches_gguf_for_every_f16_scale(qtype, field):
+    """Every half bit pattern as the scale d (or as Q4_1's minimum m): subnormals, zeros, infs, NaNs.
+
+    Q4_1's other field stays finite: when d * q and m are both NaN, which payload the sum keeps is up to
+    the instruction's operand order (LLVM treats fadd as commutative; numpy keeps the first operand's).
+    """
+    rng = np.random.default_rng(11)
+    n_blocks = 65536
+    blocks = np.zeros(n_blocks, dtype=BLOCK_DTYPES[qtype])
+    blocks[field] = np.arange(n_blocks, dtype=np.uint16).view(np.float16)
+    if qtype == T.Q4_1:
+        other = "m" if field == "d" else "d"
+        blocks[other] = rng.uniform(-0.5, 0.5, n_blocks)
+    blocks["qs"] = rng.integers(0, 256, size=blocks["qs"].shape, dtype=np.uint8).view(blocks["qs"].dtype)
+    raw = blocks.view(np.uint8).reshape(64, -1)
+    with np.errstate(all="ignore"):
+        want = gguf_dequantize(raw, qtype)
+    assert_bits_equal(dequantize(raw, qtype), want)
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_dequantize_row_is_alignment_independent(qtype):
+    raw = random_rows(qtype, 1, 256, np.random.default_rng(3))[0]
+    buf = np.zeros(raw.size + 1, dtype=np.uint8)
+    buf[1:] = raw  # starts at an odd address
+    out_aligned = np.empty(256, np.float32)
+    out_odd = np.empty(256, np.float32)
+    dequantize_row(int(qtype), raw, out_aligned)
+    dequantize_row(int(qtype), buf[1:], out_odd)
+    assert_bits_equal(out_odd[None], out_aligned[None])
+    with np.errstate(all="ignore"):
+        assert_bits_equal(out_aligned[None], gguf_dequantize(raw[None], qtype))
+
+
+def test_dequantize_rejects_bad_input():
+    raw = np.zeros((2, 40), dtype=np.uint8)
+    with pytest.raises(ValueError, match="Q5_0"):
+        dequantize(raw, T.Q5_0)
+    with pytest.raises(ValueError, match="multiple"):
+        dequantize(np.zeros((2, 41), dtype=np.uint8), T.Q4_1)
+    with pytest.raises(ValueError, match="uint8"):
+        dequantize(raw.astype(np.int8), T.Q4_1)
+    with pytest.raises(ValueError):  # raw holds 2 Q4_1 blocks = 64 values, out has room for 96
+        dequantize_row(int(T.Q4_1), raw[0], np.empty(96, np.float32))
+    with pytest.raises(ValueError):
+        dequantize_row(int(T.Q5_0), raw[0], np.empty(64, np.float32))
+
+
+# ---- the real model ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, expected_type",
+    [
+        ("token_embd.weight", T.Q8_0),
+        ("blk.0.ffn_down.weight", T.Q4_1),
+        ("blk.29.attn_k.weight", T.Q4_1),
+        ("blk.0.attn_norm.weight", T.F32),
+        ("output_norm.weight", T.F32),
+    ],
+)
+def test_dequantize_real_model_rows_match_gguf(model_path, name, expected_type):
+    model = ModelFile(model_path)
+    info = model.tensor(name)
+    assert info.ggml_type == expected_type
+    raw = model.tensor_data(name)
+    n_rows = raw.shape[0]
+    # whole tensors, except the 28 MB embedding table: a few rows of it, first and last included
+    rows = np.arange(n_rows) if raw.nbytes <= 2**21 else np.array([0, 1, 2, n_rows // 2, n_rows - 2, n_rows - 1])
+    sample = raw[rows]
+    got = dequantize(sample, info.ggml_type)
+    assert got.shape == (len(rows), info.ne[0])
+    assert np.all(np.isfinite(got))
+    assert_bits_equal(got, gguf_dequantize(sample, info.ggml_type), GGML_QUANT_SIZES[info.ggml_type][0])
