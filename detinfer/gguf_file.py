@@ -88,7 +88,11 @@ def _parse(path: Path) -> dict[str, Any]:
     try:
         reader = _PlainReader(path)
     except Exception as e:  # the reader raises ValueError, IndexError, OverflowError... on malformed input
-        raise GGUFError(f"{path.name}: not a valid GGUF file ({type(e).__name__}: {e}); re-download it with `detinfer pull`") from None
+        detail = " ".join(str(e).split())  # one line, whatever the reader's message holds
+        raise GGUFError(
+            f"{path.name}: not a valid GGUF file, truncated or malformed ({type(e).__name__}: {detail}); "
+            "re-download or re-convert it"
+        ) from None
     metadata: dict[str, Any] = {}
     for key, field in reader.fields.items():
         if key.startswith("GGUF."):

@@ -27,8 +27,9 @@ from numba.extending import intrinsic, overload
 
 from .quants import f32_to_f16_bits
 
-ROWS = 32  # output rows per repacked group (kernels read it from the array shape: a compile-time trip
-# count makes LLVM unroll the row loop into scalar code instead of vectorizing it)
+ROWS = 64  # output rows per repacked group. The kernels index quants as block[j * ROWS + r] with this
+# compile-time constant (one base pointer, constant offsets) but loop over rows with a runtime trip count: a
+# compile-time trip count would make LLVM unroll the row loop into scalar code instead of vectorizing it.
 QK = 32  # elements per block in Q4_0, Q4_1, Q8_0 (GGUF spec)
 PREFETCH_BLOCKS = 2  # how many blocks ahead the weight stream is prefetched
 
@@ -51,13 +52,56 @@ def _prefetch(typingctx, arr, idx):
     return types.none(arr, types.intp), codegen
 
 
+@intrinsic
+def fma32(typingctx, a, b, c):
+    """float32 fused multiply-add a * b + c with one rounding (``llvm.fma.f32``).
+
+    Exactly rounded by IEEE 754 on every target: one FMA instruction where the CPU has it, a correctly
+    rounded libm ``fmaf`` otherwise; LLVM vectorizes it to vfmadd...ps. Never implicit: only written calls fuse.
+    """
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, sig, args):
+        f32 = ir.FloatType()
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, f32, f32]), "llvm.fma.f32")
+        return builder.call(fn, args)
+
+    return sig, codegen
+
+
+@intrinsic
+def _lo4(typingctx, q):
+    """float32(q & 15) for a uint8 ``q``, in 32-bit integers (numba would widen ``q & 15`` to 64 bits)."""
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        return builder.sitofp(builder.and_(builder.zext(args[0], i32), i32(15)), ir.FloatType())
+
+    return types.float32(types.uint8), codegen
+
+
+@intrinsic
+def _hi4(typingctx, q):
+    """float32(q >> 4) for a uint8 ``q``, in 32-bit integers."""
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        return builder.sitofp(builder.lshr(builder.zext(args[0], i32), i32(4)), ir.FloatType())
+
+    return types.float32(types.uint8), codegen
+
+
 @njit(cache=True, inline="always")
-def _prefetch_block(qs_group, b):
-    """Prefetch block ``b`` of one row group's quants (``qs_group``: [nb, k_per_block, ROWS]) line by line."""
+def _prefetch_blocks(qs_group, d_group, b):
+    """Prefetch block ``b`` of one row group: its quants (``qs_group``: [nb, k*ROWS] bytes) and scales
+    (``d_group``: float32 [nb, ROWS]), one call per 64-byte line."""
     if b < qs_group.shape[0]:
-        blk = qs_group[b].reshape(-1)
+        blk = qs_group[b]
         for c in range(0, blk.shape[0], 64):
             _prefetch(blk, c)
+        db = d_group[b]
+        for c in range(0, ROWS, 16):
+            _prefetch(db, c)
 
 
 @njit(cache=True)
@@ -80,109 +124,112 @@ def block_sums(x, xsum):
 def matmul_q4(qs, d, m, x, xsum, out):
     """out[t, r] = sum over blocks b of (d[r,b] * s[r,b,t] + m[r,b] * xsum[t,b]) for Q4_0 / Q4_1 weights.
 
-    qs: uint8 [G, nb, 16, ROWS], byte j of block b for each row of group g: low nibble is element j, high nibble
-    element j+16 (GGUF Q4_1 layout, ggml-quants.c ``block_q4_1``; Q4_0 is loaded with m = -8 d).
-    d, m: float32 [G, nb, ROWS] block scale and minimum; x: float32 [T, nb*32]; xsum: float32 [T, nb] from
-    :func:`block_sums`; out: float32 [T, n_out] with n_out <= G*ROWS (padding rows are not written).
-    Summation order per output: s = sum over j = 0..31 of float(q_j) * x_j, left to right (float32); then
-    blocks left to right: acc = acc + (d*s + m*xsum). Parallel over row groups only; each block's codes are
-    converted to float once and reused by every token of the chunk (the same values decode uses).
+    qs: uint8 [G, nb, 16*ROWS]: byte qs[g, b, j*ROWS + r] is byte j of block b of row g*ROWS + r; its low nibble
+    is element j, its high nibble element j+16 (GGUF Q4_1 layout, ggml-quants.c ``block_q4_1``; Q4_0 is loaded
+    with m = -8 d). d, m: float32 [G, nb, ROWS] block scale and minimum; x: float32 [T, nb*32]; xsum: float32
+    [T, nb] from :func:`block_sums`; out: float32 [T, n_out] with n_out <= G*ROWS (padding rows are not written).
+    Order per output (float32, fma = one rounding, :func:`fma32`): per block, four partial sums over the
+    elements e = 8k .. 8k+7 in increasing e, c_k = fma(q_e, x_e, c_k) from c_k = +0; s = (c0 + c1) + (c2 + c3);
+    then blocks left to right from acc = +0: acc = acc + fma(d, s, m * xsum). Parallel over row groups only;
+    every token of a chunk runs exactly this sequence, as one-token decode does.
     """
-    G, nb, rows = d.shape[0], d.shape[1], d.shape[2]
+    G, nb = d.shape[0], d.shape[1]
     n_out, T = out.shape[1], x.shape[0]
     for g in prange(G):
-        acc = np.zeros((T, rows), np.float32)
-        qf = np.empty((QK, rows), np.float32)
-        qg = qs[g]
+        row0 = g * ROWS
+        n = min(ROWS, n_out - row0)
+        qg, dg, mg = qs[g], d[g], m[g]
+        for t in range(T):
+            o = out[t, row0 : row0 + n]
+            for r in range(n):
+                o[r] = np.float32(0.0)
         for b in range(nb):
-            _prefetch_block(qg, b + PREFETCH_BLOCKS)
-            qb = qg[b]
-            for j in range(16):
-                qj = qb[j]
-                lo = qf[j]
-                hi = qf[16 + j]
-                for r in range(rows):
-                    lo[r] = np.float32(qj[r] & 15)
-                    hi[r] = np.float32(qj[r] >> 4)
-            db = d[g, b]
-            mb = m[g, b]
+            _prefetch_blocks(qg, dg, b + PREFETCH_BLOCKS)
+            _prefetch_blocks(qg, mg, b + PREFETCH_BLOCKS)
+            qb, db, mb = qg[b], dg[b], mg[b]
             for t in range(T):
                 xb = x[t, b * QK : b * QK + QK]
                 xs = xsum[t, b]
-                a = acc[t]
-                for r in range(rows):
-                    s = np.float32(0.0)
-                    for j in range(QK):
-                        s += qf[j, r] * xb[j]
-                    a[r] += db[r] * s + mb[r] * xs
-        _store_rows(acc, out, g * rows)
+                o = out[t, row0 : row0 + n]
+                for r in range(n):  # vectorized across rows; the j loop is unrolled (constant trip count)
+                    c0 = np.float32(0.0)
+                    c1 = np.float32(0.0)
+                    c2 = np.float32(0.0)
+                    c3 = np.float32(0.0)
+                    for j in range(8):
+                        q0 = qb[j * ROWS + r]  # elements j (low nibble) and j + 16 (high nibble)
+                        q1 = qb[(8 + j) * ROWS + r]  # elements 8 + j and 24 + j
+                        c0 = fma32(_lo4(q0), xb[j], c0)
+                        c1 = fma32(_lo4(q1), xb[8 + j], c1)
+                        c2 = fma32(_hi4(q0), xb[16 + j], c2)
+                        c3 = fma32(_hi4(q1), xb[24 + j], c3)
+                    o[r] = o[r] + fma32(db[r], (c0 + c1) + (c2 + c3), mb[r] * xs)
 
 
 @njit(cache=True, parallel=True)
 def matmul_q8_0(qs, d, x, out):
     """out[t, r] = sum over blocks b of d[r,b] * s[r,b,t] for Q8_0 weights (ggml-quants.c ``block_q8_0``).
 
-    qs: int8 [G, nb, 32, ROWS]; d: float32 [G, nb, ROWS]; x: float32 [T, nb*32]; out: float32 [T, n_out].
-    Summation order per output: s = sum over j = 0..31 of float(q_j) * x_j left to right (float32), then blocks
-    left to right: acc = acc + d*s. Parallel over row groups only.
+    qs: int8 [G, nb, 32*ROWS], qs[g, b, e*ROWS + r] = element e of block b of row g*ROWS + r; d: float32
+    [G, nb, ROWS]; x: float32 [T, nb*32]; out: float32 [T, n_out].
+    Order per output (float32, fma = one rounding): per block, four partial sums over e = 8k .. 8k+7 in
+    increasing e, c_k = fma(q_e, x_e, c_k) from c_k = +0; s = (c0 + c1) + (c2 + c3); then blocks left to right
+    from acc = +0: acc = fma(d, s, acc). Parallel over row groups only; every token runs this same sequence.
     """
-    G, nb, rows = d.shape[0], d.shape[1], d.shape[2]
-    T = x.shape[0]
+    G, nb = d.shape[0], d.shape[1]
+    n_out, T = out.shape[1], x.shape[0]
     for g in prange(G):
-        acc = np.zeros((T, rows), np.float32)
-        qf = np.empty((QK, rows), np.float32)
-        qg = qs[g]
+        row0 = g * ROWS
+        n = min(ROWS, n_out - row0)
+        qg, dg = qs[g], d[g]
+        for t in range(T):
+            o = out[t, row0 : row0 + n]
+            for r in range(n):
+                o[r] = np.float32(0.0)
         for b in range(nb):
-            _prefetch_block(qg, b + PREFETCH_BLOCKS)
-            qb = qg[b]
-            for j in range(QK):
-                qj = qb[j]
-                f = qf[j]
-                for r in range(rows):
-                    f[r] = np.float32(qj[r])
-            db = d[g, b]
+            _prefetch_blocks(qg, dg, b + PREFETCH_BLOCKS)
+            qb, db = qg[b], dg[b]
             for t in range(T):
                 xb = x[t, b * QK : b * QK + QK]
-                a = acc[t]
-                for r in range(rows):
-                    s = np.float32(0.0)
-                    for j in range(QK):
-                        s += qf[j, r] * xb[j]
-                    a[r] += db[r] * s
-        _store_rows(acc, out, g * rows)
+                o = out[t, row0 : row0 + n]
+                for r in range(n):
+                    c0 = np.float32(0.0)
+                    c1 = np.float32(0.0)
+                    c2 = np.float32(0.0)
+                    c3 = np.float32(0.0)
+                    for j in range(8):
+                        c0 = fma32(np.float32(qb[j * ROWS + r]), xb[j], c0)
+                        c1 = fma32(np.float32(qb[(8 + j) * ROWS + r]), xb[8 + j], c1)
+                        c2 = fma32(np.float32(qb[(16 + j) * ROWS + r]), xb[16 + j], c2)
+                        c3 = fma32(np.float32(qb[(24 + j) * ROWS + r]), xb[24 + j], c3)
+                    o[r] = fma32(db[r], (c0 + c1) + (c2 + c3), o[r])
 
 
 @njit(cache=True, parallel=True)
 def matmul_dense(w, x, out):
-    """out[t, r] = sum over k of w[r, k] * x[t, k], k left to right (float32), for F32/F16/BF16 weights.
+    """out[t, r] = sum over k of w[r, k] * x[t, k], k left to right (float32, rounded multiply then add),
+    for F32/F16/BF16 weights.
 
     w: float32 [G, n_in, ROWS] (k-major row groups, exact f32 values of the stored weights);
     x: float32 [T, n_in]; out: float32 [T, n_out]. Parallel over row groups only.
     """
-    G, n_in, rows = w.shape[0], w.shape[1], w.shape[2]
-    T = x.shape[0]
+    G, n_in = w.shape[0], w.shape[1]
+    n_out, T = out.shape[1], x.shape[0]
     for g in prange(G):
-        acc = np.zeros((T, rows), np.float32)
+        row0 = g * ROWS
+        n = min(ROWS, n_out - row0)
         wg = w[g]
+        for t in range(T):
+            o = out[t, row0 : row0 + n]
+            for r in range(n):
+                o[r] = np.float32(0.0)
         for k in range(n_in):
             wk = wg[k]
             for t in range(T):
                 xk = x[t, k]
-                a = acc[t]
-                for r in range(rows):
-                    a[r] += wk[r] * xk
-        _store_rows(acc, out, g * rows)
-
-
-@njit(cache=True, inline="always")
-def _store_rows(acc, out, row0):
-    """out[t, row0 + r] = acc[t, r] for the rows that exist (the last group may be padding)."""
-    n = min(acc.shape[1], out.shape[1] - row0)
-    for t in range(acc.shape[0]):
-        o = out[t]
-        a = acc[t]
-        for r in range(n):
-            o[row0 + r] = a[r]
+                o = out[t, row0 : row0 + n]
+                for r in range(n):
+                    o[r] += wk[r] * xk
 
 
 @njit(cache=True)

@@ -1,0 +1,145 @@
+"""verify: re-execute recorded manifests and golden token streams, and report exactly what differs.
+
+Only contract fields are compared (see manifest.py); threads, chunk size, timings and CPU are shown, never
+compared. A manifest whose model is missing or has another sha256 is reported as bad input, not as a mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+from .engine import Engine
+from .errors import DetinferError, ManifestError
+from .manifest import RunManifest, load_manifest
+from .run import Comparison, engine_for_manifest, reexecute
+
+MATCH, MISMATCH, BAD_INPUT = "match", "mismatch", "bad input"
+
+
+@dataclass
+class Divergence:
+    """The first step where outputs differ: expected vs actual token (id, text) and top-5 logits."""
+
+    step: int
+    expected_token: int | None
+    actual_token: int | None
+    expected_text: str
+    actual_text: str
+    expected_top: list = field(default_factory=list)
+    actual_top: list = field(default_factory=list)
+
+
+@dataclass
+class VerifyResult:
+    path: str
+    status: str
+    model: str = ""
+    steps: int = 0
+    seconds: float = 0.0
+    message: str = ""
+    differences: list[dict] = field(default_factory=list)
+    divergence: Divergence | None = None
+    threads: int | None = None
+
+    def to_json(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k != "divergence"}
+        d["divergence"] = self.divergence.__dict__ if self.divergence else None
+        return d
+
+
+def collect(paths: Iterable[str | Path]) -> list[Path]:
+    """Manifest files from files and folders (folders: every *.json below them, sorted).
+
+    Raises ManifestError for a path that does not exist.
+    """
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files.extend(sorted(q for q in p.rglob("*.json") if q.is_file()))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise ManifestError(f"{p} does not exist; pass manifest files or folders")
+    return files
+
+
+def _divergence(engine: Engine, expected: RunManifest, actual: RunManifest, comparison: Comparison) -> Divergence | None:
+    step = comparison.first_divergent_step
+    et, at = expected.output.token_ids, actual.output.token_ids
+    if step is None:
+        step = next((i for i in range(max(len(et), len(at))) if i >= len(et) or i >= len(at) or et[i] != at[i]), None)
+    if step is None:
+        return None
+    tok = engine.tokenizer
+
+    def token(ids, i):
+        return (ids[i], repr(tok.decode([ids[i]]))) if i < len(ids) else (None, "(none)")
+
+    (e_id, e_text), (a_id, a_text) = token(et, step), token(at, step)
+    top = lambda m: m.output.top_logits[step] if step < len(m.output.top_logits) else []  # noqa: E731
+    return Divergence(step, e_id, a_id, e_text, a_text, [list(x) for x in top(expected)], [list(x) for x in top(actual)])
+
+
+def verify_file(path: Path, engines: dict[tuple, Engine], *, model: str | None = None) -> VerifyResult:
+    """Re-execute one manifest. Engines are cached by (model sha256, n_ctx, kv_type) across files."""
+    t0 = time.perf_counter()
+    try:
+        manifest = load_manifest(path)
+        key = (manifest.model.sha256, manifest.engine.n_ctx, manifest.engine.kv_type)
+        if key not in engines:
+            engines[key] = engine_for_manifest(manifest, model)
+        engine = engines[key]
+        actual, comparison = reexecute(manifest, engine)
+    except DetinferError as e:
+        return VerifyResult(str(path), BAD_INPUT, message=str(e), seconds=time.perf_counter() - t0)
+    result = VerifyResult(
+        str(path),
+        MATCH if comparison.match else MISMATCH,
+        model=manifest.model.registry_name or manifest.model.file_name,
+        steps=len(manifest.output.token_ids),
+        seconds=time.perf_counter() - t0,
+        differences=[d.__dict__ for d in comparison.differences],
+        threads=actual.informative.threads,
+    )
+    if not comparison.match:
+        result.divergence = _divergence(engine, manifest, actual, comparison)
+        result.message = "differs: " + ", ".join(d.field for d in comparison.differences)
+    return result
+
+
+def verify(paths: Iterable[str | Path], *, model: str | None = None, on_result: Callable[[VerifyResult], None] | None = None) -> list[VerifyResult]:
+    """Verify every manifest under ``paths``; returns one result per file (in order)."""
+    engines: dict[tuple, Engine] = {}
+    results = []
+    for path in collect(paths):
+        r = verify_file(path, engines, model=model)
+        results.append(r)
+        if on_result:
+            on_result(r)
+    return results
+
+
+def exit_code(results: list[VerifyResult]) -> int:
+    """2 if any file is bad input, else 1 if any mismatch, else 0."""
+    if any(r.status == BAD_INPUT for r in results):
+        return 2
+    return 1 if any(r.status == MISMATCH for r in results) else 0
+
+
+def summary(results: list[VerifyResult]) -> dict:
+    return {
+        "summary": True,
+        "files": len(results),
+        "match": sum(r.status == MATCH for r in results),
+        "mismatch": sum(r.status == MISMATCH for r in results),
+        "bad_input": sum(r.status == BAD_INPUT for r in results),
+        "exit_code": exit_code(results),
+    }
+
+
+def to_json_lines(results: list[VerifyResult]) -> str:
+    return "\n".join([json.dumps(r.to_json(), sort_keys=True) for r in results] + [json.dumps(summary(results), sort_keys=True)])

@@ -1,0 +1,385 @@
+"""Bad input at the CLI edge: every case exits 2 with one line naming the problem, no traceback, nothing written.
+
+Broken models are tiny synthetic GGUF files (tests/gguf_factory.py) or cut copies of them; the real model is
+only loaded where its own limits matter (context length, prompt length). Runs in-process with typer's
+CliRunner and an isolated $DETINFER_HOME.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from gguf_factory import CHATML, TinyConfig, layout, write_tiny_gguf
+from typer.testing import CliRunner
+
+from detinfer.cli import app
+from detinfer.kvcache import KV_QUANT_REASON, QUANTIZED_KV_TYPES
+from detinfer.manifest import SCHEMA_VERSION, RunManifest, write_manifest
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="session")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty $DETINFER_HOME: no registry model is visible, GGUF indexes land here."""
+    return tmp_path_factory.mktemp("detinfer-home")
+
+
+def cli(home: Path, *args):
+    return runner.invoke(app, [str(a) for a in args], env={"DETINFER_HOME": str(home), "COLUMNS": "200"})
+
+
+def assert_input_error(result, *needles: str, exit_code: int = 2) -> str:
+    """The run failed with ``exit_code``, no traceback, and exactly one (final) error line containing ``needles``."""
+    assert not (result.exception and not isinstance(result.exception, SystemExit)), repr(result.exception)
+    assert "Traceback" not in result.output
+    assert result.exit_code == exit_code, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr
+    assert result.stderr.rstrip("\n").splitlines()[-1] == errors[0], "the error line must be the last line"
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    return errors[0]
+
+
+def assert_nothing_written(folder: Path, *names: str) -> None:
+    for name in names:
+        assert not (folder / name).exists(), f"{name} was written"
+    assert not list(folder.glob(".*.tmp")), "a temporary file was left behind"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A valid tiny llama model with no chat template."""
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
+
+
+def run_model(home: Path, model: Path, out: Path, *extra):
+    return cli(home, "run", "--model", model, "--prompt", "hi there", "--max-tokens", "2", "--ctx", "64", "--out", out, *extra)
+
+
+# ------------------------------------------------------------------------------------------ model files
+
+
+def test_missing_model_path(home: Path, tmp_path: Path):
+    missing = tmp_path / "nope.gguf"
+    r = cli(home, "run", "--model", missing, "--prompt", "hi", "--out", tmp_path / "run.json")
+    assert_input_error(r, str(missing), "does not exist")
+    assert_nothing_written(tmp_path, "run.json")
+    assert_input_error(cli(home, "info", missing), "does not exist")
+
+
+def test_registry_model_not_downloaded(home: Path, tmp_path: Path):
+    r = cli(home, "run", "--prompt", "hi", "--out", tmp_path / "run.json")  # default model, empty home
+    assert_input_error(r, "not downloaded", "detinfer pull")
+    assert_nothing_written(tmp_path, "run.json")
+
+
+CUTS = {
+    "header": lambda lay: 13,  # after magic and version, inside the tensor count
+    "metadata": lambda lay: (24 + lay.tensor_infos) // 2,
+    "tensor-infos": lambda lay: (lay.tensor_infos + lay.data) // 2,
+    "tensor-data": lambda lay: lay.size - 100,
+}
+
+
+@pytest.mark.parametrize("where", CUTS)
+def test_truncated_synthetic_model(home: Path, tiny: Path, tmp_path: Path, where: str):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny.read_bytes()[: CUTS[where](layout(tiny))])
+    assert_input_error(run_model(home, cut, tmp_path / "run.json"), "cut.gguf", "truncated")
+    assert_nothing_written(tmp_path, "run.json")
+
+
+@pytest.mark.parametrize("where", ["metadata", "tensor-data"])
+def test_truncated_real_model(home: Path, model_path: Path, tmp_path: Path, where: str):
+    cut = tmp_path / "cut.gguf"
+    size = model_path.stat().st_size
+    n = 1_000_000 if where == "metadata" else size - 4096  # the 49k-token vocabulary spans the first ~2 MB
+    with open(model_path, "rb") as src, open(cut, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+        dst.truncate(n)
+    assert_input_error(run_model(home, cut, tmp_path / "run.json"), "cut.gguf", "truncated")
+    assert_nothing_written(tmp_path, "run.json")
+
+
+def test_wrong_magic(home: Path, tiny: Path, tmp_path: Path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGML" + tiny.read_bytes()[4:])
+    assert_input_error(run_model(home, bad, tmp_path / "run.json"), "bad.gguf", "magic", "GGML")
+    assert_nothing_written(tmp_path, "run.json")
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    assert_input_error(cli(home, "info", empty), "empty.gguf", "magic")
+
+
+def test_unsupported_architecture(home: Path, tmp_path: Path):
+    model = write_tiny_gguf(tmp_path / "mamba.gguf", architecture="mamba")
+    assert_input_error(run_model(home, model, tmp_path / "run.json"), "'mamba'", "not supported", "llama")
+    assert_nothing_written(tmp_path, "run.json")
+    assert_input_error(cli(home, "info", model), "'mamba'")
+
+
+@pytest.mark.parametrize(
+    "type_name, config",
+    [
+        ("Q5_K", TinyConfig(n_embd=256, n_head=4, n_head_kv=2, n_ff=256)),  # K-quants need rows of 256
+        ("IQ2_XS", TinyConfig(n_embd=256, n_head=4, n_head_kv=2, n_ff=256)),
+        ("Q5_0", TinyConfig()),
+    ],
+)
+def test_unsupported_tensor_type(home: Path, tmp_path: Path, type_name: str, config: TinyConfig):
+    model = write_tiny_gguf(tmp_path / "q.gguf", config=config, types={"blk.1.ffn_up.weight": type_name})
+    assert_input_error(run_model(home, model, tmp_path / "run.json"), "'blk.1.ffn_up.weight'", type_name, "not support")
+    assert_nothing_written(tmp_path, "run.json")
+
+
+def test_missing_tensor(home: Path, tmp_path: Path):
+    model = write_tiny_gguf(tmp_path / "m.gguf", drop_tensors=("blk.1.attn_v.weight",))
+    assert_input_error(run_model(home, model, tmp_path / "run.json"), "'blk.1.attn_v.weight'", "missing")
+    assert_nothing_written(tmp_path, "run.json")
+
+
+def test_wrong_tensor_shape(home: Path, tmp_path: Path):
+    model = write_tiny_gguf(tmp_path / "s.gguf", shapes={"blk.0.attn_k.weight": (64, 64)})  # kv width is 32
+    assert_input_error(run_model(home, model, tmp_path / "run.json"), "'blk.0.attn_k.weight'", "(64, 64)", "(32, 64)")
+    assert_nothing_written(tmp_path, "run.json")
+
+
+def test_missing_config_key(home: Path, tmp_path: Path):
+    model = write_tiny_gguf(tmp_path / "k.gguf", drop_metadata=("llama.block_count",))
+    assert_input_error(run_model(home, model, tmp_path / "run.json"), "'llama.block_count'", "missing")
+    assert_nothing_written(tmp_path, "run.json")
+
+
+# ------------------------------------------------------------------------------------------ prompts
+
+
+def test_empty_prompt(home: Path, tiny: Path, tmp_path: Path):
+    r = cli(home, "run", "--model", tiny, "--prompt", "", "--out", tmp_path / "run.json", "--ctx", "64")
+    assert_input_error(r, "prompt is empty")
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    r = cli(home, "run", "--model", tiny, "--prompt-file", empty, "--out", tmp_path / "run.json", "--ctx", "64")
+    assert_input_error(r, "prompt is empty")
+    assert_nothing_written(tmp_path, "run.json")
+
+
+def test_no_prompt_or_two_prompts(home: Path, tiny: Path, tmp_path: Path):
+    assert_input_error(cli(home, "run", "--model", tiny), "exactly one of --prompt")
+    f = tmp_path / "p.txt"
+    f.write_text("hi")
+    assert_input_error(cli(home, "run", "--model", tiny, "--prompt", "hi", "--prompt-file", f), "exactly one of --prompt")
+
+
+def test_prompt_longer_than_ctx(home: Path, model_path: Path, tmp_path: Path):
+    prompt = "The quick brown fox jumps over the lazy dog and keeps on running"
+    r = cli(home, "run", "--model", model_path, "--prompt", prompt, "--ctx", "8", "--out", tmp_path / "run.json")
+    assert_input_error(r, "prompt has", "context holds 8", "--ctx")
+    assert_nothing_written(tmp_path, "run.json")
+
+
+def test_ctx_above_model_context(home: Path, model_path: Path, tmp_path: Path):
+    r = cli(home, "run", "--model", model_path, "--prompt", "hi", "--ctx", "8193", "--out", tmp_path / "run.json")
+    assert_input_error(r, "--ctx 8193", "8192")
+    assert_nothing_written(tmp_path, "run.json")
+    assert_input_error(cli(home, "run", "--model", model_path, "--prompt", "hi", "--ctx", "0"), "--ctx 0")
+
+
+@pytest.mark.parametrize(
+    "option, value, name",
+    [
+        ("--temperature", "-1", "temperature"),
+        ("--top-p", "0", "top_p"),
+        ("--top-p", "1.5", "top_p"),
+        ("--top-k", "-1", "top_k"),
+        ("--repeat-penalty", "0", "repetition_penalty"),
+        ("--min-p", "1", "min_p"),
+        ("--temperature", "nan", "temperature"),
+    ],
+)
+def test_invalid_sampling_values(home: Path, model_path: Path, tmp_path: Path, option: str, value: str, name: str):
+    r = cli(home, "run", "--model", model_path, "--prompt", "hi", option, value, "--out", tmp_path / "run.json")
+    assert_input_error(r, name, value if value != "nan" else "nan")
+    assert_nothing_written(tmp_path, "run.json")
+
+
+def test_invalid_max_tokens_and_threads(home: Path, model_path: Path, tmp_path: Path):
+    r = cli(home, "run", "--model", model_path, "--prompt", "hi", "--max-tokens", "0", "--out", tmp_path / "run.json")
+    assert_input_error(r, "--max-tokens", "0")
+    r = cli(home, "run", "--model", model_path, "--prompt", "hi", "--threads", "0", "--out", tmp_path / "run.json")
+    assert_input_error(r, "--threads 0")
+    assert_nothing_written(tmp_path, "run.json")
+
+
+@pytest.mark.parametrize("kv_type", QUANTIZED_KV_TYPES)
+def test_quantized_kv_type_rejected_before_loading(home: Path, tmp_path: Path, kv_type: str):
+    # the model path does not exist: the error must still be about the KV type, so it was checked first
+    r = cli(home, "run", "--model", tmp_path / "absent.gguf", "--prompt", "hi", "--kv-type", kv_type, "--out", tmp_path / "run.json")
+    assert_input_error(r, repr(kv_type), KV_QUANT_REASON)
+    assert_nothing_written(tmp_path, "run.json")
+
+
+def test_unknown_kv_type(home: Path, tmp_path: Path):
+    r = cli(home, "run", "--model", tmp_path / "absent.gguf", "--prompt", "hi", "--kv-type", "f64")
+    assert_input_error(r, "'f64'", "f32 or f16")
+
+
+def test_prompt_file_invalid_utf8(home: Path, tmp_path: Path):
+    f = tmp_path / "prompt.txt"
+    f.write_bytes("héllo ".encode() + b"\xff\xfe world")
+    r = cli(home, "run", "--model", tmp_path / "absent.gguf", "--prompt-file", f, "--out", tmp_path / "run.json")
+    assert_input_error(r, "prompt.txt", "UTF-8", "0xff", "offset 7")
+    assert_nothing_written(tmp_path, "run.json")
+
+
+def test_prompt_file_missing(home: Path, tmp_path: Path):
+    r = cli(home, "run", "--model", tmp_path / "absent.gguf", "--prompt-file", tmp_path / "[/none].txt")
+    assert_input_error(r, "cannot read prompt file", "[/none].txt")  # brackets are text, not console markup
+
+
+def test_chat_without_template(home: Path, tiny: Path, tmp_path: Path):
+    r = cli(home, "run", "--model", tiny, "--prompt", "hi", "--chat", "--ctx", "64", "--out", tmp_path / "run.json")
+    assert_input_error(r, "tiny.gguf", "no chat template")
+    msgs = tmp_path / "m.json"
+    msgs.write_text(json.dumps([{"role": "user", "content": "hi"}]))
+    r = cli(home, "run", "--model", tiny, "--messages", msgs, "--ctx", "64", "--out", tmp_path / "run.json")
+    assert_input_error(r, "no chat template")
+    assert_nothing_written(tmp_path, "run.json")
+
+
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        ({"role": "user", "content": "hi"}, "expected a list"),
+        ([{"content": "hi"}], "message 0 has no 'role'"),
+        ([{"role": "user", "content": "hi"}, {"role": "user"}], "message 1 has no 'content'"),
+        ([{"role": "user", "content": 3}], "'content' of type int"),
+        ([], "empty"),
+        ("[{", "invalid JSON at line 1"),
+    ],
+)
+def test_bad_messages_file(home: Path, tmp_path: Path, content, needle: str):
+    f = tmp_path / "messages.json"
+    f.write_text(content if isinstance(content, str) else json.dumps(content))
+    r = cli(home, "run", "--model", tmp_path / "absent.gguf", "--messages", f, "--out", tmp_path / "run.json")
+    assert_input_error(r, "messages.json", needle)
+    assert_nothing_written(tmp_path, "run.json")
+
+
+# ------------------------------------------------------------------------------------------ manifests
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny-chat") / "tiny-chat.gguf", chat_template=CHATML)
+
+
+@pytest.fixture(scope="module")
+def manifest_json(home: Path, tiny_chat: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A valid manifest recorded from the tiny model, as JSON data to break in each test."""
+    out = tmp_path_factory.mktemp("manifest") / "run.json"
+    r = cli(home, "run", "--model", tiny_chat, "--chat", "--prompt", "hi there", "--max-tokens", "3", "--ignore-eos",
+            "--ctx", "64", "--out", out)  # fmt: skip
+    assert r.exit_code == 0, r.output
+    return json.loads(out.read_text())
+
+
+def rerun(home: Path, manifest: Path, tmp_path: Path, *extra):
+    return cli(home, "run", "--manifest", manifest, "--out", tmp_path / "again.json", *extra)
+
+
+def write_json(path: Path, data) -> Path:
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_recorded_manifest_reexecutes(home: Path, manifest_json: dict, tmp_path: Path):
+    r = rerun(home, write_json(tmp_path / "run.json", manifest_json), tmp_path)
+    assert r.exit_code == 0, r.output
+    assert "match" in r.stderr
+
+
+def test_manifest_unreadable(home: Path, tmp_path: Path):
+    assert_input_error(rerun(home, tmp_path / "absent.json", tmp_path), "cannot read manifest", "absent.json")
+    folder = tmp_path / "folder.json"
+    folder.mkdir()
+    assert_input_error(rerun(home, folder, tmp_path), "cannot read manifest", "folder.json")
+    assert_nothing_written(tmp_path, "again.json")
+
+
+def test_manifest_not_json(home: Path, manifest_json: dict, tmp_path: Path):
+    text = json.dumps(manifest_json, indent=2)
+    cases = {"garbage.json": "not json at all", "cut.json": text[: len(text) // 2], "list.json": "[1, 2]"}
+    for name, content in cases.items():
+        (tmp_path / name).write_text(content)
+        assert_input_error(rerun(home, tmp_path / name, tmp_path), name, "manifest")
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe{}")
+    assert_input_error(rerun(home, tmp_path / "binary.json", tmp_path), "not a JSON manifest")
+    assert_nothing_written(tmp_path, "again.json")
+
+
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (lambda m: m["sampling"].pop("seed"), "sampling.seed"),
+        (lambda m: m["engine"].update(kv_type="q8_0"), "engine.kv_type"),
+        (lambda m: m["output"].update(token_ids="1,2,3"), "output.token_ids"),
+        (lambda m: m.update(surprise=1), "surprise"),
+    ],
+)
+def test_manifest_schema_invalid(home: Path, manifest_json: dict, tmp_path: Path, edit, needle: str):
+    data = json.loads(json.dumps(manifest_json))
+    edit(data)
+    assert_input_error(rerun(home, write_json(tmp_path / "run.json", data), tmp_path), "not a valid manifest", needle)
+    assert_nothing_written(tmp_path, "again.json")
+
+
+@pytest.mark.parametrize("version", [SCHEMA_VERSION + 1, 99])
+def test_manifest_newer_schema_version(home: Path, manifest_json: dict, tmp_path: Path, version: int):
+    data = {**manifest_json, "schema_version": version}
+    line = assert_input_error(rerun(home, write_json(tmp_path / "run.json", data), tmp_path), "upgrade detinfer")
+    assert f"schema_version {version}" in line and f"schema {SCHEMA_VERSION}" in line
+    assert_nothing_written(tmp_path, "again.json")
+
+
+@pytest.mark.parametrize(
+    "edit, section",
+    [
+        (lambda m: m["output"]["token_ids"].__setitem__(0, m["output"]["token_ids"][0] + 1), "output"),
+        (lambda m: m["sampling"].update(seed=m["sampling"]["seed"] + 1), "sampling"),
+        (lambda m: m["prompt"]["token_ids"].append(5), "prompt"),
+        (lambda m: m["output"].update(text=m["output"]["text"] + "!"), "output"),
+        (lambda m: m["engine"].update(n_ctx=32), "engine"),
+    ],
+)
+def test_manifest_tampered(home: Path, manifest_json: dict, tmp_path: Path, edit, section: str):
+    data = json.loads(json.dumps(manifest_json))
+    edit(data)
+    line = assert_input_error(rerun(home, write_json(tmp_path / "run.json", data), tmp_path), "edited")
+    assert f"{section}." in line or f"section(s) {section}" in line
+    assert_nothing_written(tmp_path, "again.json")
+
+
+def test_manifest_model_sha256_mismatch(home: Path, manifest_json: dict, tmp_path: Path):
+    # a sealed (valid) manifest that names another model's hash: a wrong input, exit 2, not a mismatch (1)
+    m = RunManifest.model_validate(manifest_json)
+    other = m.model_copy(update={"model": m.model.model_copy(update={"sha256": "0" * 64})})
+    write_manifest(other, tmp_path / "run.json")
+    line = assert_input_error(rerun(home, tmp_path / "run.json", tmp_path), "sha256", "--model")
+    assert "0000000000000000" in line
+    assert_nothing_written(tmp_path, "again.json")
+
+
+def test_manifest_with_another_model_file(home: Path, manifest_json: dict, tiny: Path, tmp_path: Path):
+    r = rerun(home, write_json(tmp_path / "run.json", manifest_json), tmp_path, "--model", tiny)
+    assert_input_error(r, "sha256", "tiny.gguf")
+    assert_nothing_written(tmp_path, "again.json")
+
+
+def test_manifest_with_prompt_option(home: Path, manifest_json: dict, tmp_path: Path):
+    r = rerun(home, write_json(tmp_path / "run.json", manifest_json), tmp_path, "--prompt", "hi")
+    assert_input_error(r, "--manifest", "--prompt")

@@ -1,0 +1,444 @@
+"""Kernels against plain numpy in float64, plus the determinism properties the forward pass relies on.
+
+Tolerances are worst-case float32 rounding bounds (Higham, "Accuracy and Stability of Numerical Algorithms",
+section 3.1): a sum of n float32 terms computed in any fixed order is within n * u * sum(|term|) of the exact
+sum, u = 2**-24. Each bound is taken relative to the *magnitude* of the sum (sum of |terms|), not to the
+result, so cancellation cannot make it too tight; it is ~1e-5 of that magnitude, while the bugs it guards
+against (wrong nibble, wrong scale, wrong pair, wrong KV head, missing mask) move results by O(1) of it.
+The determinism properties (chunk = one-token calls, 1 thread = 2 threads) are bitwise.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize as gguf_dequantize
+
+from detinfer import kernels
+from detinfer.quants import F16_TO_F32
+from detinfer.weights import QMatrix
+
+U = 2.0**-24  # unit roundoff of float32
+QK = kernels.QK
+R = kernels.ROWS
+MATRIX_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F32, Q.F16, Q.BF16]
+# (n_out, n_in): fewer rows than one group, a ragged last group, and the SmolLM2 ffn_down shape with a ragged tail.
+MATRIX_SHAPES = [(7, 64), (3 * R + 5, 576), (R + 1, 1536)]
+
+# Block layouts of ggml-common.h (block_q8_0, block_q4_0, block_q4_1), packed as in the file.
+BLOCK_DTYPES = {
+    Q.Q8_0: np.dtype([("d", "<f2"), ("qs", "i1", (32,))]),
+    Q.Q4_0: np.dtype([("d", "<f2"), ("qs", "u1", (16,))]),
+    Q.Q4_1: np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", (16,))]),
+}
+
+
+@pytest.fixture
+def restore_threads():
+    before = numba.get_num_threads()
+    yield
+    numba.set_num_threads(before)
+
+
+def two_threads_or_skip() -> None:
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("numba was started with one thread")
+
+
+def assert_bytes_equal(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    """Bitwise equality; on failure name the first differing [token, column]."""
+    assert got.shape == want.shape and got.dtype == want.dtype, (
+        f"{what}: {got.dtype}{got.shape} vs {want.dtype}{want.shape}"
+    )
+    g = np.ascontiguousarray(got).view(np.uint32)
+    w = np.ascontiguousarray(want).view(np.uint32)
+    bad = np.argwhere(g != w)
+    if len(bad):
+        idx = tuple(int(v) for v in bad[0])
+        pytest.fail(f"{what}: {len(bad)} of {got.size} values differ; first at {idx}: {got[idx]!r} vs {want[idx]!r}")
+
+
+def assert_within(got: np.ndarray, ref: np.ndarray, tol: np.ndarray, what: str) -> None:
+    """|got - ref| <= tol elementwise (tol broadcast); on failure name the first offending [token, column]."""
+    assert got.shape == ref.shape, f"{what}: shape {got.shape} != {ref.shape}"
+    err = np.abs(got.astype(np.float64) - ref)
+    tol = np.broadcast_to(tol, err.shape)
+    bad = np.argwhere(~(err <= tol))  # NaN in got fails too
+    if len(bad):
+        idx = tuple(int(v) for v in bad[0])
+        pytest.fail(
+            f"{what}: {len(bad)} of {got.size} values off; first at {idx}: got {got[idx]!r}, float64 {ref[idx]!r}, "
+            f"|diff| {err[idx]:.3e} > tol {tol[idx]:.3e}"
+        )
+
+
+def activations(rng: np.random.Generator, T: int, n: int) -> np.ndarray:
+    """float32 [T, n] like a residual stream: unit normal with a few large outlier channels."""
+    x = rng.standard_normal((T, n))
+    x[:, rng.choice(n, 3, replace=False)] *= 30.0
+    return x.astype(np.float32)
+
+
+# ---- matmuls ------------------------------------------------------------------------------------------
+
+
+def random_matrix(qtype: Q, n_out: int, n_in: int, rng: np.random.Generator) -> np.ndarray:
+    """Raw GGUF rows (uint8 [n_out, row_bytes]) of ``qtype`` with realistic scales; signs of d both ways."""
+    if qtype in BLOCK_DTYPES:
+        nb = n_out * n_in // QK
+        blocks = np.zeros(nb, BLOCK_DTYPES[qtype])
+        blocks["d"] = rng.uniform(1e-3, 0.02, nb) * rng.choice([-1.0, 1.0], nb)
+        if qtype == Q.Q4_1:
+            blocks["m"] = rng.uniform(-0.15, 0.05, nb)
+        blocks["qs"] = rng.integers(0, 256, blocks["qs"].shape, dtype=np.uint8).view(blocks["qs"].dtype)
+        return blocks.view(np.uint8).reshape(n_out, -1)
+    w = (rng.standard_normal((n_out, n_in)) * 0.05).astype(np.float32)
+    if qtype == Q.F32:
+        return w.view(np.uint8)
+    if qtype == Q.F16:
+        return w.astype(np.float16).view(np.uint8)
+    return (w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)  # BF16: the top half of each float32
+
+
+def block_fields(qtype: Q, raw: np.ndarray, n_in: int):
+    """(codes float64 [n_out, nb, 32] in element order, d, m float64 [n_out, nb]) of a quantized matrix.
+
+    Q4: byte j holds element j in its low nibble and element j+16 in its high one; Q4_0 is d * q + (-8 d).
+    """
+    blocks = raw.reshape(-1).view(BLOCK_DTYPES[qtype]).reshape(raw.shape[0], n_in // QK)
+    d = blocks["d"].astype(np.float64)
+    if qtype == Q.Q8_0:
+        return blocks["qs"].astype(np.float64), d, np.zeros_like(d)
+    qs = blocks["qs"]
+    codes = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.float64)
+    m = blocks["m"].astype(np.float64) if qtype == Q.Q4_1 else -8.0 * d
+    return codes, d, m
+
+
+def magnitude(qtype: Q, raw: np.ndarray, n_in: int, x: np.ndarray) -> np.ndarray:
+    """[T, n_out] sum of |terms| the kernel adds: |d| sum|q x| + |m| sum|x| per block, or sum |w x| for dense."""
+    ax = np.abs(x.astype(np.float64))
+    if qtype not in BLOCK_DTYPES:
+        return ax @ np.abs(gguf_dequantize(raw, qtype).astype(np.float64)).T
+    codes, d, m = block_fields(qtype, raw, n_in)
+    axb = ax.reshape(ax.shape[0], -1, QK)  # [T, nb, 32]
+    s = np.einsum("rbj,tbj->trb", np.abs(codes), axb)
+    return np.einsum("rb,trb->tr", np.abs(d), s) + np.einsum("rb,tb->tr", np.abs(m), axb.sum(axis=2))
+
+
+def run_matmul(mat: QMatrix, x: np.ndarray) -> np.ndarray:
+    """out[T, n_out] through QMatrix.__call__, as the engine calls it: xsum a view into a wider buffer,
+    out pre-filled with NaN so an unwritten element shows."""
+    T = x.shape[0]
+    xsum_buf = np.full((T, x.shape[1] // QK + 7), np.nan, np.float32)
+    xsum = xsum_buf[:, : x.shape[1] // QK]
+    kernels.block_sums(x, xsum)
+    out = np.full((T, mat.n_out), np.nan, np.float32)
+    mat(x, xsum, out)
+    return out
+
+
+@pytest.mark.parametrize("n_out, n_in", MATRIX_SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("qtype", MATRIX_TYPES, ids=lambda t: t.name)
+def test_matmul_matches_float64_oracle(qtype, n_out, n_in):
+    rng = np.random.default_rng([int(qtype), n_out, n_in])
+    raw = random_matrix(qtype, n_out, n_in, rng)
+    mat = QMatrix.from_raw("w", qtype, raw, n_in)
+    assert (mat.n_out, mat.n_in) == (n_out, n_in)
+    w64 = gguf_dequantize(raw, qtype).astype(np.float64)
+    nb = n_in // QK
+    # Per block: 32 products and sums (s), d*s, m*xsum (xsum itself a 31-add sum), one add; then nb block
+    # adds. Dense: n_in products and adds. Plus 2u for gguf-py rounding d*q + m to float32 in the oracle.
+    n_ops = QK + nb + 8 if qtype in BLOCK_DTYPES else n_in + 2
+    for T in (1, 3, 5):
+        x = activations(rng, T, n_in)
+        got = run_matmul(mat, x)
+        ref = x.astype(np.float64) @ w64.T
+        tol = n_ops * U * magnitude(qtype, raw, n_in, x)
+        assert tol.max() < 1e-3 * np.abs(ref).max(), "tolerance too loose to catch anything"
+        assert_within(got, ref, tol, f"{qtype.name} {n_out}x{n_in} T={T}")
+
+
+def emulate_matmul_f32(qtype: Q, raw: np.ndarray, n_in: int, x: np.ndarray) -> np.ndarray:
+    """The documented summation order of the matmul kernels, in float32 numpy (every op rounded, no FMA)."""
+    f = np.float32
+    T = x.shape[0]
+    if qtype not in BLOCK_DTYPES:
+        w = gguf_dequantize(raw, qtype)  # exact float32 values of F32/F16/BF16 weights
+        acc = np.zeros((T, w.shape[0]), f)
+        for k in range(n_in):  # acc += w[r, k] * x[t, k], k left to right
+            acc = acc + w[None, :, k] * x[:, k, None]
+        return acc
+    codes, d, m = (a.astype(f) for a in block_fields(qtype, raw, n_in))  # all exact in float32
+    xb = x.reshape(T, -1, QK)
+    s = np.zeros((T,) + codes.shape[:2], f)  # [T, n_out, nb]
+    xs = np.zeros(xb.shape[:2], f)  # [T, nb]
+    for j in range(QK):  # both sums left to right over the block's 32 elements
+        s = s + codes[None, :, :, j] * xb[:, None, :, j]
+        xs = xs + xb[:, :, j]
+    acc = np.zeros((T, codes.shape[0]), f)
+    for b in range(codes.shape[1]):  # blocks left to right
+        term = d[None, :, b] * s[:, :, b]
+        if qtype != Q.Q8_0:
+            term = term + m[None, :, b] * xs[:, b, None]
+        acc = acc + term
+    return acc
+
+
+@pytest.mark.parametrize("qtype", MATRIX_TYPES, ids=lambda t: t.name)
+def test_matmul_follows_documented_summation_order(qtype):
+    """Bitwise equal to a float32 emulation of the order in the kernels' docstrings (part of the spec)."""
+    n_out, n_in = 3 * R + 5, 576
+    rng = np.random.default_rng(int(qtype) + 100)
+    raw = random_matrix(qtype, n_out, n_in, rng)
+    x = activations(rng, 3, n_in)
+    got = run_matmul(QMatrix.from_raw("w", qtype, raw, n_in), x)
+    assert_bytes_equal(got, emulate_matmul_f32(qtype, raw, n_in, x), f"{qtype.name} vs documented order")
+
+
+@pytest.mark.parametrize("qtype", MATRIX_TYPES, ids=lambda t: t.name)
+def test_matmul_chunk_equals_one_token_calls(qtype):
+    n_out, n_in = 3 * R + 5, 576
+    rng = np.random.default_rng(int(qtype) + 200)
+    mat = QMatrix.from_raw("w", qtype, random_matrix(qtype, n_out, n_in, rng), n_in)
+    x = activations(rng, 5, n_in)
+    chunk = run_matmul(mat, x)
+    singles = np.concatenate([run_matmul(mat, x[t : t + 1].copy()) for t in range(5)])
+    assert_bytes_equal(chunk, singles, f"{qtype.name} T=5 chunk vs 5 one-token calls")
+
+
+@pytest.mark.parametrize("qtype", MATRIX_TYPES, ids=lambda t: t.name)
+def test_matmul_same_bytes_at_one_and_two_threads(qtype, restore_threads):
+    two_threads_or_skip()
+    n_out, n_in = 4 * R + 3, 576  # several row groups, so two threads really split the work
+    rng = np.random.default_rng(int(qtype) + 300)
+    mat = QMatrix.from_raw("w", qtype, random_matrix(qtype, n_out, n_in, rng), n_in)
+    x = activations(rng, 3, n_in)
+    numba.set_num_threads(1)
+    one = run_matmul(mat, x)
+    numba.set_num_threads(2)
+    two = run_matmul(mat, x)
+    assert_bytes_equal(two, one, f"{qtype.name} 2 threads vs 1")
+
+
+# ---- block sums, rmsnorm, swiglu, add -----------------------------------------------------------------
+
+
+def test_block_sums_matches_float64_and_left_to_right_order():
+    rng = np.random.default_rng(1)
+    x = activations(rng, 5, 1536)
+    out = np.full((5, 1536 // QK), np.nan, np.float32)
+    kernels.block_sums(x, out)
+    xb = x.reshape(5, -1, QK)
+    ref = xb.astype(np.float64).sum(axis=2)
+    assert_within(out, ref, QK * U * np.abs(xb.astype(np.float64)).sum(axis=2), "block_sums")
+    seq = np.zeros((5, 1536 // QK), np.float32)
+    for j in range(QK):
+        seq = seq + xb[:, :, j]
+    assert_bytes_equal(out, seq, "block_sums vs left-to-right float32 sum")
+
+
+def test_rmsnorm_matches_float64():
+    rng = np.random.default_rng(2)
+    n = 576
+    x = activations(rng, 5, n)
+    x[1] *= 50.0  # a large row
+    x[2] = rng.standard_normal(n) * 3e-3  # mean(x^2) ~ 1e-5: eps = 1e-5 is half the denominator here
+    x[3, :] = 0.0  # all zero: 0 * 1/sqrt(eps), no NaN
+    w = (1.0 + 0.3 * rng.standard_normal(n)).astype(np.float32)
+    eps = np.float32(1e-5)
+    out_buf = np.full((7, n), np.nan, np.float32)
+    out = out_buf[1:6]  # a row slice, as the engine normalizes only the last rows before the output matrix
+    kernels.rmsnorm(x, w, eps, out)
+    x64 = x.astype(np.float64)
+    scale = 1.0 / np.sqrt((x64**2).mean(axis=1, keepdims=True) + np.float64(eps))
+    ref = x64 * scale * w.astype(np.float64)
+    # sum of squares: n roundings (relative, all terms positive), halved by sqrt; then ~6 more roundings
+    assert_within(out, ref, (n / 2 + 8) * U * np.abs(ref), "rmsnorm")
+    assert np.isnan(out_buf[[0, 6]]).all(), "rmsnorm wrote outside its output rows"
+
+
+def test_swiglu_matches_float64():
+    rng = np.random.default_rng(3)
+    n_ff = 1536
+    gate_up = (rng.standard_normal((5, 2 * n_ff)) * 3.0).astype(np.float32)
+    gate_up[0, :8] = [-100.0, -89.0, -87.0, -20.0, 20.0, 89.0, 100.0, 0.0]  # expf overflow and saturation
+    gate, up = gate_up[:, :n_ff], gate_up[:, n_ff:]  # column views, as the engine passes them
+    out = np.full((5, n_ff), np.nan, np.float32)
+    kernels.swiglu(gate, up, out)
+    g, u = gate.astype(np.float64), up.astype(np.float64)
+    ref = g / (1.0 + np.exp(-g)) * u
+    # expf (< 1 ulp), 1 + e, the division and the product: a few roundings relative to the result; silu(g)
+    # for g < -88.7 is g / inf = -0 in float32 while the exact value is below 1e-36.
+    assert_within(out, ref, 8 * U * np.abs(ref) + 1e-30, "swiglu")
+
+
+def test_add_inplace_is_correctly_rounded_sum():
+    rng = np.random.default_rng(4)
+    x = activations(rng, 5, 576)
+    y = (rng.standard_normal((5, 576)) * 0.1).astype(np.float32)
+    # float32 + float32 is exact in float64 unless the exponents are 29+ apart; then one rounding to float32
+    want = (x.astype(np.float64) + y.astype(np.float64)).astype(np.float32)
+    kernels.add_inplace(x, y)
+    assert_bytes_equal(x, want, "add_inplace vs float32(float64 sum)")
+
+
+# ---- RoPE ---------------------------------------------------------------------------------------------
+
+
+def test_rope_table_is_float64_rounded_once():
+    n_ctx, n_rot, base = 4096, 64, 100000.0
+    cos, sin = kernels.rope_table(n_ctx, n_rot, base)
+    assert cos.dtype == sin.dtype == np.float32 and cos.shape == sin.shape == (n_ctx, n_rot // 2)
+    p = np.arange(n_ctx, dtype=np.float64)[:, None]
+    angle = p * base ** (-2.0 * np.arange(n_rot // 2) / n_rot)
+    for name, got, ref in (("cos", cos, np.cos(angle)), ("sin", sin, np.sin(angle))):
+        # one rounding to float32 (half a float32 ulp), plus float64 slack for pow, p * f and libm's cos/sin
+        # (angles up to 4096 rad): computing the angle in float32 would be off by ~1e-4 at the far end
+        tol = 0.5 * np.spacing(np.abs(ref).astype(np.float32)).astype(np.float64) + 8 * 2.0**-53 * (angle + 1.0)
+        assert_within(got, ref, tol, f"rope_table {name}")
+
+
+def test_rope_norm_rotates_adjacent_pairs():
+    n_head, n_kv, hd = 9, 3, 64
+    cos, sin = kernels.rope_table(4096, hd, 100000.0)
+    rng = np.random.default_rng(5)
+    positions = np.array([0, 1, 2, 17, 4095], np.int64)
+    qkv = rng.standard_normal((5, (n_head + 2 * n_kv) * hd)).astype(np.float32)
+    before = qkv.copy()
+    q = qkv[:, : n_head * hd]  # a column view, as the engine rotates q and k inside the fused qkv buffer
+    kernels.rope_norm(q, positions, n_head, hd, cos, sin)
+    x = before[:, : n_head * hd].astype(np.float64).reshape(5, n_head, hd // 2, 2)
+    c = cos[positions].astype(np.float64)[:, None, :]
+    s = sin[positions].astype(np.float64)[:, None, :]
+    ref = np.empty_like(x)
+    ref[..., 0] = x[..., 0] * c - x[..., 1] * s  # llama.cpp "normal" mode: (x[2i], x[2i+1]) is one pair
+    ref[..., 1] = x[..., 0] * s + x[..., 1] * c
+    tol = 3 * U * (np.abs(x[..., 0]) + np.abs(x[..., 1]))[..., None]
+    assert_within(q.reshape(5, n_head, hd // 2, 2), ref, np.broadcast_to(tol, ref.shape), "rope_norm")
+    assert_bytes_equal(qkv[0, : n_head * hd], before[0, : n_head * hd], "rope at position 0 must be the identity")
+    assert_bytes_equal(qkv[:, n_head * hd :], before[:, n_head * hd :], "rope_norm touched columns outside q")
+
+
+# ---- KV cache and attention ---------------------------------------------------------------------------
+
+N_HEAD, N_KV, HD, N_CTX = 9, 3, 64, 24
+SCALE = np.float32(1.0 / np.sqrt(HD))
+
+
+def new_cache(kv_type: str):
+    dtype = np.float32 if kv_type == "f32" else np.uint16
+    lut = F16_TO_F32 if kv_type == "f16" else np.zeros(1, np.float32)
+    return np.zeros((N_KV, HD, N_CTX), dtype), np.zeros((N_KV, N_CTX, HD), dtype), lut
+
+
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+def test_kv_write_layout_and_rounding(kv_type):
+    rng = np.random.default_rng(6)
+    kc, vc, _ = new_cache(kv_type)
+    k = (rng.standard_normal((3, N_KV * HD)) * 4).astype(np.float32)
+    v = (rng.standard_normal((3, N_KV * HD)) * 4).astype(np.float32)
+    pos0 = 5
+    kernels.kv_write(kc, vc, k, v, pos0)
+    kk = k.reshape(3, N_KV, HD)
+    vv = v.reshape(3, N_KV, HD)
+    want_k = kk.transpose(1, 2, 0)  # [n_kv, hd, T]: K is stored transposed
+    want_v = vv.transpose(1, 0, 2)  # [n_kv, T, hd]
+    if kv_type == "f16":
+        want_k = want_k.astype(np.float16).view(np.uint16)  # round to nearest even, as numpy casts
+        want_v = want_v.astype(np.float16).view(np.uint16)
+    assert np.array_equal(kc[:, :, pos0 : pos0 + 3], want_k), "K cache layout or rounding is wrong"
+    assert np.array_equal(vc[:, pos0 : pos0 + 3, :], want_v), "V cache layout or rounding is wrong"
+    untouched = np.ones(N_CTX, bool)
+    untouched[pos0 : pos0 + 3] = False
+    assert not kc[:, :, untouched].any() and not vc[:, untouched, :].any(), "kv_write wrote other positions"
+
+
+def fill_cache(kv_type: str, rng: np.random.Generator, n: int):
+    """A cache with K/V written at positions 0..n-1 and garbage (huge values) after, which the mask must skip."""
+    kc, vc, lut = new_cache(kv_type)
+    k = rng.standard_normal((N_CTX, N_KV * HD)).astype(np.float32)
+    v = rng.standard_normal((N_CTX, N_KV * HD)).astype(np.float32)
+    kernels.kv_write(kc, vc, k[:n], v[:n], 0)
+    kernels.kv_write(kc, vc, np.full_like(k[n:], 1e4), np.full_like(v[n:], 1e4), n)
+    return kc, vc, lut
+
+
+def attention_oracle(q: np.ndarray, kc, vc, lut, pos0: int) -> np.ndarray:
+    """float64 causal softmax attention with GQA from the values the cache holds; also returns the tolerance."""
+    K = (lut[kc] if kc.dtype == np.uint16 else kc).astype(np.float64)  # [n_kv, hd, n_ctx]
+    V = (lut[vc] if vc.dtype == np.uint16 else vc).astype(np.float64)  # [n_kv, n_ctx, hd]
+    T = q.shape[0]
+    qh = q.astype(np.float64).reshape(T, N_HEAD, HD)
+    out = np.empty((T, N_HEAD, HD))
+    tol = np.empty((T, N_HEAD, 1))
+    group = N_HEAD // N_KV
+    for t in range(T):
+        n = pos0 + t + 1
+        for h in range(N_HEAD):
+            g = h // group
+            s = (qh[t, h] @ K[g, :, :n]) * np.float64(SCALE)
+            p = np.exp(s - s.max())
+            p /= p.sum()
+            out[t, h] = p @ V[g, :n]
+            # score error: hd products and adds, times scale; the softmax turns an absolute score error e
+            # into a relative weight error of about 2e (4e both ways), plus n adds in z and in each output
+            # sum, the division and expf's ulp; all relative to max|v|.
+            ds = (HD + 2) * U * np.float64(SCALE) * (np.abs(qh[t, h]) @ np.abs(K[g, :, :n])).max()
+            tol[t, h] = (4 * ds + (2 * n + 8) * U) * np.abs(V[g, :n]).max() * 1.5
+    return out.reshape(T, N_HEAD * HD), np.broadcast_to(tol, (T, N_HEAD, HD)).reshape(T, N_HEAD * HD)
+
+
+def run_attention(q, kc, vc, lut, pos0):
+    out = np.full(q.shape, np.nan, np.float32)
+    kernels.attention(q, kc, vc, pos0, N_HEAD, SCALE, lut, out)
+    return out
+
+
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+@pytest.mark.parametrize("pos0, T", [(0, 1), (0, 5), (7, 1), (7, 3), (18, 5)])
+def test_attention_matches_float64_oracle(kv_type, pos0, T):
+    rng = np.random.default_rng([pos0, T, len(kv_type)])
+    kc, vc, lut = fill_cache(kv_type, rng, pos0 + T)
+    q = (rng.standard_normal((T, N_HEAD * HD)) * 3).astype(np.float32)  # scores with std ~3: peaked softmax
+    got = run_attention(q, kc, vc, lut, pos0)
+    ref, tol = attention_oracle(q, kc, vc, lut, pos0)
+    v_max = np.abs(lut[vc] if kv_type == "f16" else vc)[:, : pos0 + T].max()
+    assert tol.max() < 1e-3 * v_max, "tolerance too loose to catch anything"
+    assert_within(got, ref, tol, f"attention {kv_type} pos0={pos0} T={T}")
+
+
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+def test_attention_chunk_equals_one_token_calls(kv_type):
+    """Prefill of a chunk (write all K/V, attend) equals decode (write one, attend one) at each position."""
+    rng = np.random.default_rng(8)
+    pos0, T = 6, 5
+    kc, vc, lut = fill_cache(kv_type, rng, pos0)
+    kc2, vc2 = kc.copy(), vc.copy()
+    k = rng.standard_normal((T, N_KV * HD)).astype(np.float32)
+    v = rng.standard_normal((T, N_KV * HD)).astype(np.float32)
+    q = (rng.standard_normal((T, N_HEAD * HD)) * 3).astype(np.float32)
+    kernels.kv_write(kc, vc, k, v, pos0)
+    chunk = run_attention(q, kc, vc, lut, pos0)
+    singles = []
+    for t in range(T):
+        kernels.kv_write(kc2, vc2, k[t : t + 1], v[t : t + 1], pos0 + t)
+        singles.append(run_attention(q[t : t + 1].copy(), kc2, vc2, lut, pos0 + t))
+    n = pos0 + T
+    assert np.array_equal(kc[:, :, :n], kc2[:, :, :n]) and np.array_equal(vc[:, :n], vc2[:, :n]), "KV bytes differ"
+    assert_bytes_equal(chunk, np.concatenate(singles), f"attention {kv_type}: chunk of {T} vs one-token calls")
+
+
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+def test_attention_same_bytes_at_one_and_two_threads(kv_type, restore_threads):
+    two_threads_or_skip()
+    rng = np.random.default_rng(9)
+    kc, vc, lut = fill_cache(kv_type, rng, 20)
+    q = (rng.standard_normal((5, N_HEAD * HD)) * 3).astype(np.float32)
+    numba.set_num_threads(1)
+    one = run_attention(q, kc, vc, lut, 15)
+    numba.set_num_threads(2)
+    two = run_attention(q, kc, vc, lut, 15)
+    assert_bytes_equal(two, one, f"attention {kv_type}: 2 threads vs 1")
