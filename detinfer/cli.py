@@ -192,6 +192,87 @@ def run(
         raise typer.Exit(130)
 
 
+@app.command()
+def verify(
+    paths: Annotated[Optional[list[Path]], typer.Argument(help="Manifest files or folders (default: manifests/ and golden/).")] = None,
+    model: ModelOpt = None,
+    threads: ThreadsOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per manifest plus a summary.")] = False,
+) -> None:
+    """Re-execute recorded manifests and golden streams; exit 0 all match, 1 any mismatch, 2 bad input."""
+    from rich.progress import Progress
+
+    from .engine import set_threads
+    from .verify import BAD_INPUT, MATCH, collect, exit_code, to_json_lines, verify_file
+
+    try:
+        set_threads(threads)
+        if not paths:
+            paths = [p for p in (Path("manifests"), Path("golden")) if p.is_dir()]
+            if not paths:
+                raise InputError("no manifests/ or golden/ folder here; pass manifest files or folders")
+        files = collect(paths)
+        if not files:
+            raise InputError(f"no manifests found in {', '.join(map(str, paths))}")
+    except DetinferError as e:
+        _fail(e)
+    results, engines = [], {}
+    with Progress(console=err, transient=True, disable=as_json) as progress:
+        task = progress.add_task("verifying", total=len(files))
+        for f in files:
+            results.append(verify_file(f, engines, model=model))
+            progress.advance(task)
+    if as_json:
+        out.print(to_json_lines(results), soft_wrap=True, markup=False)
+        raise typer.Exit(exit_code(results))
+    table = Table("manifest", "model", "steps", "result", "time", "threads")
+    for r in results:
+        style = "green" if r.status == MATCH else "red" if r.status != BAD_INPUT else "yellow"
+        table.add_row(escape(r.path), escape(r.model), str(r.steps), f"[{style}]{r.status}[/]", f"{r.seconds:.1f}s", str(r.threads or ""))
+    out.print(table)
+    for r in results:
+        if r.status == MATCH:
+            continue
+        out.print(f"[bold]{escape(r.path)}[/]: {escape(r.message)}", soft_wrap=True)
+        for d in r.differences:
+            out.print(f"  {d['field']}: expected {escape(d['expected'])} got {escape(d['actual'])}", soft_wrap=True)
+        if (dv := r.divergence) is not None:
+            out.print(f"  first divergent step {dv.step}: expected token {dv.expected_token} {escape(dv.expected_text)}, "
+                      f"got {dv.actual_token} {escape(dv.actual_text)}", soft_wrap=True)
+            if dv.expected_top or dv.actual_top:
+                out.print(f"  top-5 expected {dv.expected_top}\n  top-5 actual   {dv.actual_top}", soft_wrap=True)
+    raise typer.Exit(exit_code(results))
+
+
+@app.command()
+def selftest(
+    model: Annotated[Optional[str], typer.Argument(help="Registry name or .gguf path.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable rows.")] = False,
+) -> None:
+    """Run every invariance of the determinism contract on this machine (exit 1 if one fails)."""
+    import json as _json
+
+    from .engine import Engine
+    from .selftest import matrix, ok
+
+    try:
+        engine = Engine.load(model, n_ctx=512)
+        with err.status("running the determinism matrix (separate processes, two compile targets)..."):
+            rows = matrix(engine, model)
+    except DetinferError as e:
+        _fail(e)
+    if as_json:
+        out.print(_json.dumps([r.__dict__ for r in rows], indent=2), soft_wrap=True, markup=False)
+    else:
+        table = Table("invariance", "result", "max |Δlogit|", "first divergent", "note", title="determinism matrix")
+        for r in rows:
+            style = "green" if r.result in ("identical", "detected") else "dim" if r.result == "n/a" else "red"
+            table.add_row(r.invariance, f"[{style}]{r.result}[/]", "" if r.max_abs_delta is None else f"{r.max_abs_delta:.3g}",
+                          "" if r.first_divergent is None else str(r.first_divergent), escape(r.note))
+        out.print(table)
+    raise typer.Exit(0 if ok(rows) else 1)
+
+
 def _summary(m, out_path: Optional[Path]) -> None:
     t = m.informative.timings
     err.print(

@@ -92,16 +92,14 @@ def _hi4(typingctx, q):
 
 
 @njit(cache=True, inline="always")
-def _prefetch_blocks(qs_group, d_group, b):
-    """Prefetch block ``b`` of one row group: its quants (``qs_group``: [nb, k*ROWS] bytes) and scales
-    (``d_group``: float32 [nb, ROWS]), one call per 64-byte line."""
-    if b < qs_group.shape[0]:
-        blk = qs_group[b]
-        for c in range(0, blk.shape[0], 64):
-            _prefetch(blk, c)
-        db = d_group[b]
-        for c in range(0, ROWS, 16):
-            _prefetch(db, c)
+def _prefetch_rows(a, b):
+    """Prefetch row ``b`` (if it exists) of a 2-D array, one hint per 64-byte line; ``a`` is one row group's
+    quants ([nb, k*ROWS] bytes) or scales (float32 [nb, ROWS]), so row ``b`` is block ``b`` of the group."""
+    if b < a.shape[0]:
+        row = a[b]
+        step = 64 // row.itemsize
+        for c in range(0, row.shape[0], step):
+            _prefetch(row, c)
 
 
 @njit(cache=True)
@@ -144,8 +142,9 @@ def matmul_q4(qs, d, m, x, xsum, out):
             for r in range(n):
                 o[r] = np.float32(0.0)
         for b in range(nb):
-            _prefetch_blocks(qg, dg, b + PREFETCH_BLOCKS)
-            _prefetch_blocks(qg, mg, b + PREFETCH_BLOCKS)
+            _prefetch_rows(qg, b + PREFETCH_BLOCKS)
+            _prefetch_rows(dg, b + PREFETCH_BLOCKS)
+            _prefetch_rows(mg, b + PREFETCH_BLOCKS)
             qb, db, mb = qg[b], dg[b], mg[b]
             for t in range(T):
                 xb = x[t, b * QK : b * QK + QK]
@@ -187,7 +186,8 @@ def matmul_q8_0(qs, d, x, out):
             for r in range(n):
                 o[r] = np.float32(0.0)
         for b in range(nb):
-            _prefetch_blocks(qg, dg, b + PREFETCH_BLOCKS)
+            _prefetch_rows(qg, b + PREFETCH_BLOCKS)
+            _prefetch_rows(dg, b + PREFETCH_BLOCKS)
             qb, db = qg[b], dg[b]
             for t in range(T):
                 xb = x[t, b * QK : b * QK + QK]

@@ -16,8 +16,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .errors import ManifestError
+from .errors import KVTypeError, ManifestError
 from .fileio import atomic_write_text
+from .kvcache import KV_QUANT_REASON, QUANTIZED_KV_TYPES
 
 SCHEMA_VERSION = 1
 
@@ -162,6 +163,9 @@ def load_manifest(path: str | Path) -> RunManifest:
             f"{path} has schema_version {version!r}; this detinfer (schema {SCHEMA_VERSION}) cannot read it"
             + ("; upgrade detinfer" if isinstance(version, int) and version > SCHEMA_VERSION else "")
         )
+    kv_type = (data.get("engine") or {}).get("kv_type") if isinstance(data.get("engine"), dict) else None
+    if kv_type in QUANTIZED_KV_TYPES:
+        raise KVTypeError(f"{path} names KV cache type {kv_type!r}, which is rejected: {KV_QUANT_REASON}")
     try:
         manifest = RunManifest.model_validate(data)
     except ValidationError as e:

@@ -12,10 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
+from pydantic import ValidationError
+
 from .engine import Engine
 from .errors import DetinferError, ManifestError
-from .manifest import RunManifest, load_manifest
-from .run import Comparison, engine_for_manifest, reexecute
+from .golden import GoldenRecord
+from .manifest import PromptRecord, RunManifest, SamplingRecord, load_manifest, tokens_sha256
+from .run import engine_for_manifest, execute, reexecute
 
 MATCH, MISMATCH, BAD_INPUT = "match", "mismatch", "bad input"
 
@@ -67,9 +70,9 @@ def collect(paths: Iterable[str | Path]) -> list[Path]:
     return files
 
 
-def _divergence(engine: Engine, expected: RunManifest, actual: RunManifest, comparison: Comparison) -> Divergence | None:
-    step = comparison.first_divergent_step
-    et, at = expected.output.token_ids, actual.output.token_ids
+def _divergence(engine: Engine, et: list[int], expected_top: list, actual: RunManifest, step: int | None) -> Divergence | None:
+    """First divergent step (the first differing logits digest if known, else the first differing token)."""
+    at = actual.output.token_ids
     if step is None:
         step = next((i for i in range(max(len(et), len(at))) if i >= len(et) or i >= len(at) or et[i] != at[i]), None)
     if step is None:
@@ -80,12 +83,57 @@ def _divergence(engine: Engine, expected: RunManifest, actual: RunManifest, comp
         return (ids[i], repr(tok.decode([ids[i]]))) if i < len(ids) else (None, "(none)")
 
     (e_id, e_text), (a_id, a_text) = token(et, step), token(at, step)
-    top = lambda m: m.output.top_logits[step] if step < len(m.output.top_logits) else []  # noqa: E731
-    return Divergence(step, e_id, a_id, e_text, a_text, [list(x) for x in top(expected)], [list(x) for x in top(actual)])
+    top = lambda tops: [list(x) for x in tops[step]] if step < len(tops) else []  # noqa: E731
+    return Divergence(step, e_id, a_id, e_text, a_text, top(expected_top), top(actual.output.top_logits))
+
+
+def _is_golden(path: Path) -> bool:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "case" in data and "schema_version" not in data
+
+
+def verify_golden(path: Path, engines: dict[tuple, Engine], *, model: str | None = None) -> VerifyResult:
+    """Re-run a golden token stream (golden/<case>.json) from its settings and compare tokens and text."""
+    t0 = time.perf_counter()
+    try:
+        try:
+            record = GoldenRecord.model_validate_json(path.read_text(encoding="utf-8"))
+        except ValidationError as e:
+            raise ManifestError(f"{path} is not a valid golden record: {e.errors()[0]['msg']}") from None
+        settings = dict(record.settings)
+        key = (record.model_sha256, settings.pop("n_ctx"), settings.pop("kv_type"))
+        if key not in engines:
+            engine = Engine.load(model, n_ctx=key[1], kv_type=key[2])
+            if engine.model_file.sha256 != record.model_sha256:
+                raise ManifestError(f"{path} was recorded with model sha256 {record.model_sha256[:16]}..., not {engine.model_file.path.name}")
+            engines[key] = engine
+        engine = engines[key]
+        chat = settings.pop("chat")
+        ids = record.prompt_token_ids
+        prompt = PromptRecord(text=None, chat=chat, rendered="", token_ids=ids, tokens_sha256=tokens_sha256(ids))
+        actual = execute(engine, prompt, SamplingRecord(**settings))
+    except DetinferError as e:
+        return VerifyResult(str(path), BAD_INPUT, message=str(e), seconds=time.perf_counter() - t0)
+    diffs = [
+        {"field": name, "expected": str(a)[:80], "actual": str(b)[:80]}
+        for name, a, b in (("output_token_ids", record.output_token_ids, actual.output.token_ids), ("output_text", record.output_text, actual.output.text))
+        if a != b
+    ]
+    result = VerifyResult(str(path), MISMATCH if diffs else MATCH, model=engine.model_file.path.name, steps=len(record.output_token_ids),
+                          seconds=time.perf_counter() - t0, differences=diffs, threads=actual.informative.threads)
+    if diffs:
+        result.divergence = _divergence(engine, record.output_token_ids, [], actual, None)
+        result.message = "differs: " + ", ".join(d["field"] for d in diffs)
+    return result
 
 
 def verify_file(path: Path, engines: dict[tuple, Engine], *, model: str | None = None) -> VerifyResult:
-    """Re-execute one manifest. Engines are cached by (model sha256, n_ctx, kv_type) across files."""
+    """Re-execute one manifest (or golden record). Engines are cached by (model sha256, n_ctx, kv_type)."""
+    if _is_golden(path):
+        return verify_golden(path, engines, model=model)
     t0 = time.perf_counter()
     try:
         manifest = load_manifest(path)
@@ -106,7 +154,7 @@ def verify_file(path: Path, engines: dict[tuple, Engine], *, model: str | None =
         threads=actual.informative.threads,
     )
     if not comparison.match:
-        result.divergence = _divergence(engine, manifest, actual, comparison)
+        result.divergence = _divergence(engine, manifest.output.token_ids, manifest.output.top_logits, actual, comparison.first_divergent_step)
         result.message = "differs: " + ", ".join(d.field for d in comparison.differences)
     return result
 

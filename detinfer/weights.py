@@ -39,6 +39,12 @@ def _k_major(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.moveaxis(a, 1, -1))
 
 
+def _k_major_blocks(qs: np.ndarray) -> np.ndarray:
+    """Quant bytes [n_rows, nb, k] -> [G, nb, k*ROWS]: per row group and block, byte j of row r at j*ROWS + r."""
+    a = _k_major(qs)  # [G, nb, k, ROWS]
+    return a.reshape(a.shape[0], a.shape[1], -1)
+
+
 def _f16(raw: np.ndarray) -> np.ndarray:
     """Little-endian f16 bytes [..., 2] -> exact float32 values [...]."""
     return F16_TO_F32[np.ascontiguousarray(raw).view("<u2")[..., 0]]
@@ -48,8 +54,9 @@ def _f16(raw: np.ndarray) -> np.ndarray:
 class QMatrix:
     """A weight matrix of shape (n_out, n_in) ready for the matmul kernels.
 
-    kind "q4" (Q4_0/Q4_1): arrays (qs uint8 [G, nb, 16, ROWS], d float32 [G, nb, ROWS], m float32 [G, nb, ROWS]);
-    kind "q8_0": (qs int8 [G, nb, 32, ROWS], d); kind "dense" (F32/F16/BF16): (w float32 [G, n_in, ROWS]).
+    kind "q4" (Q4_0/Q4_1): arrays (qs uint8 [G, nb, 16*ROWS], d float32 [G, nb, ROWS], m float32 [G, nb, ROWS]);
+    kind "q8_0": (qs int8 [G, nb, 32*ROWS], d); kind "dense" (F32/F16/BF16): (w float32 [G, n_in, ROWS]).
+    In qs, byte j of block b of row g*ROWS + r sits at [g, b, j*ROWS + r] (see kernels.matmul_q4).
     """
 
     name: str
@@ -69,12 +76,12 @@ class QMatrix:
             d = _f16(blocks[:, :, 0:2])
             if ggml_type == Q.Q8_0:
                 qs = blocks[:, :, 2:].view(np.int8)
-                return cls(name, ggml_type, n_out, n_in, "q8_0", (_k_major(qs), _k_major(d)))
+                return cls(name, ggml_type, n_out, n_in, "q8_0", (_k_major_blocks(qs), _k_major(d)))
             if ggml_type == Q.Q4_1:
                 m, qs = _f16(blocks[:, :, 2:4]), blocks[:, :, 4:]
             else:  # Q4_0: x = d * (q - 8) = d * q + (-8 d), and -8 d is exact in f32
                 m, qs = d * np.float32(-8.0), blocks[:, :, 2:]
-            return cls(name, ggml_type, n_out, n_in, "q4", (_k_major(qs), _k_major(d), _k_major(m)))
+            return cls(name, ggml_type, n_out, n_in, "q4", (_k_major_blocks(qs), _k_major(d), _k_major(m)))
         w = dequantize(raw, ggml_type)  # F32 / F16 / BF16: widening to f32 is exact
         return cls(name, ggml_type, n_out, n_in, "dense", (_k_major(w),))
 

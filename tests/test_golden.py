@@ -1,0 +1,47 @@
+"""Golden token streams: absolute references in golden/, compared with syrupy.
+
+`make golden-update` (pytest --snapshot-update) rewrites them; `git diff golden/` shows what moved. Unlike the
+self-comparisons in test_determinism.py, these catch a change that moves every code path together.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from syrupy.extensions.single_file import SingleFileSnapshotExtension, WriteMode
+
+from detinfer.golden import CASES, golden_json, golden_record, run_case
+
+GOLDEN_DIR = Path(__file__).resolve().parent.parent / "golden"
+
+
+class GoldenJSONExtension(SingleFileSnapshotExtension):
+    """One canonical JSON file per case, directly in golden/ (not syrupy's __snapshots__)."""
+
+    _write_mode = WriteMode.TEXT
+    file_extension = "json"
+
+    @classmethod
+    def dirname(cls, *, test_location) -> str:
+        return str(GOLDEN_DIR)
+
+    @classmethod
+    def get_snapshot_name(cls, *, test_location, index=0) -> str:
+        return str(index)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    return {}
+
+
+@pytest.fixture
+def golden(snapshot):
+    return snapshot.use_extension(GoldenJSONExtension)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_golden_token_stream(case, engines, model_path, golden):
+    manifest = run_case(engines, case, str(model_path))
+    assert golden_json(golden_record(case, manifest)) == golden(name=case.name)
