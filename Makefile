@@ -5,11 +5,10 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= The capital of France is
 
-.PHONY: run test bench install pull clean
+.PHONY: run test verify bench manifests golden-update install pull clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
@@ -23,6 +22,16 @@ run: pull
 
 test: pull
 	$(BIN)/python -m pytest -q
+
+verify: pull
+	$(BIN)/detinfer verify --threads 1
+	$(BIN)/detinfer verify --threads 2
+
+manifests: pull
+	$(BIN)/python -m detinfer.golden manifests
+
+golden-update: pull
+	$(BIN)/python -m pytest -q tests/test_golden.py --snapshot-update
 
 bench: pull
 	$(BIN)/python -m detinfer.bench --out bench/results.json

@@ -223,7 +223,7 @@ def verify(
             results.append(verify_file(f, engines, model=model))
             progress.advance(task)
     if as_json:
-        out.print(to_json_lines(results), soft_wrap=True, markup=False)
+        out.print(to_json_lines(results), soft_wrap=True, markup=False, emoji=False)  # data: ":pizza:" stays text
         raise typer.Exit(exit_code(results))
     table = Table("manifest", "model", "steps", "result", "time", "threads")
     for r in results:
@@ -271,6 +271,169 @@ def selftest(
                           "" if r.first_divergent is None else str(r.first_divergent), escape(r.note))
         out.print(table)
     raise typer.Exit(0 if ok(rows) else 1)
+
+
+session_app = typer.Typer(help="Scripted multi-turn sessions.", no_args_is_help=True)
+kv_app = typer.Typer(help="KV cache snapshot files (.detkv).", no_args_is_help=True)
+app.add_typer(session_app, name="session")
+app.add_typer(kv_app, name="kv")
+
+
+def _stream(quiet: bool):
+    def on_step(step) -> None:
+        if not quiet and step.text:
+            sys.stdout.write(step.text)
+            sys.stdout.flush()
+
+    return on_step
+
+
+def _turn_line(i: int, rec) -> None:
+    err.print(f"[dim]turn {i}: {len(rec.appended_token_ids)} new prompt tokens, {rec.reused_tokens} reused, "
+              f"{len(rec.generated_token_ids)} generated, stop: {rec.stop_reason}, KV {rec.kv_sha256[:12]}…[/]")
+
+
+@session_app.command("run")
+def session_run(
+    script: Annotated[Path, typer.Argument(help="Session script (JSON: model, sampling, turns).")],
+    out_path: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the session record here.")] = None,
+    kv_dir: Annotated[Optional[Path], typer.Option("--kv-dir", help="Save the KV cache after each turn here.")] = None,
+    model: ModelOpt = None,
+    ctx: CtxOpt = 4096,
+    kv_type: KvOpt = "f32",
+    threads: ThreadsOpt = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
+) -> None:
+    """Run a scripted multi-turn session and record it (written after every turn)."""
+    from .engine import Engine, set_threads
+    from .kvcache import parse_kv_type
+    from .session import load_script, run_session
+
+    try:
+        parse_kv_type(kv_type)
+        set_threads(threads)
+        sc = load_script(script)
+        engine = Engine.load(model or sc.model, n_ctx=ctx, kv_type=kv_type)
+        run_session(engine, sc.turns, sc.sampling, out=out_path, kv_dir=kv_dir, on_step=_stream(quiet),
+                    on_turn=lambda i, rec: (None if quiet else sys.stdout.write("\n"), _turn_line(i, rec)))
+    except DetinferError as e:
+        _fail(e)
+    if out_path:
+        err.print(f"[dim]session: {escape(str(out_path))}[/]")
+
+
+@app.command()
+def replay(
+    session: Annotated[Path, typer.Argument(help="Recorded session file.")],
+    model: ModelOpt = None,
+    threads: ThreadsOpt = None,
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="Recompute every prefix from scratch.")] = False,
+    kv_dir: Annotated[Optional[Path], typer.Option("--kv-dir", help="Restore each turn's prefix from saved snapshots.")] = None,
+    until: Annotated[Optional[int], typer.Option("--until", help="Replay only the first N turns.")] = None,
+    then: Annotated[Optional[Path], typer.Option("--then", help="After --until, continue with this script's turns.")] = None,
+    out_path: Annotated[Optional[Path], typer.Option("--out", "-o", help="Where --then writes the new session.")] = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Re-execute every turn of a recorded session; exit 0 all match, 1 any mismatch, 2 bad input."""
+    import json as _json
+
+    from .engine import Engine, set_threads
+    from .session import load_script, load_session, replay_turns, run_session
+
+    try:
+        set_threads(threads)
+        record = load_session(session)
+        if then is not None and until is None:
+            raise InputError("--then needs --until N (the turn to branch after)")
+        if until is not None and not 0 <= until <= len(record.turns):
+            raise InputError(f"--until {until} is out of range; the session has {len(record.turns)} turns")
+        engine = Engine.load(model or record.model.registry_name or record.informative.get("model_path"),
+                             n_ctx=record.engine.n_ctx, kv_type=record.engine.kv_type)
+        if then is not None:
+            sc = load_script(then)
+            prior = record.model_copy(update={"turns": record.turns[:until]})
+            run_session(engine, sc.turns, sc.sampling, prior=prior, out=out_path, on_turn=_turn_line)
+            err.print(f"replayed {until} turn(s) exactly, then ran {len(sc.turns)} new turn(s)"
+                      + (f"; session: {escape(str(out_path))}" if out_path else ""))
+            return
+        results = replay_turns(engine, record, use_cache=not no_cache, kv_dir=kv_dir, until=until,
+                               warn=lambda msg: err.print(f"[yellow]warning:[/] {escape(msg)}"))
+    except DetinferError as e:
+        _fail(e)
+    rows = []
+    for i, ((actual, diffs, step), expected) in enumerate(zip(results, record.turns), start=1):
+        row = {"turn": i, "result": "match" if not diffs else "mismatch", "differs": diffs, "first_divergent_step": step,
+               "reused_tokens": actual.reused_tokens, "steps": len(actual.generated_token_ids)}
+        if diffs and step is not None:
+            pick = lambda ids: (ids[step], engine.tokenizer.decode([ids[step]])) if step < len(ids) else (None, "")  # noqa: E731
+            row["expected"], row["actual"] = pick(expected.generated_token_ids), pick(actual.generated_token_ids)
+        rows.append(row)
+    if as_json:
+        out.print(_json.dumps(rows), soft_wrap=True, markup=False)
+    else:
+        table = Table("turn", "result", "steps", "reused", "first divergent step", "differs")
+        for r in rows:
+            table.add_row(str(r["turn"]), f"[{'green' if r['result'] == 'match' else 'red'}]{r['result']}[/]", str(r["steps"]),
+                          str(r["reused_tokens"]), "" if r["first_divergent_step"] is None else str(r["first_divergent_step"]),
+                          escape(", ".join(r["differs"])) + (escape(f" expected {r['expected']} got {r['actual']}") if "expected" in r else ""))
+        out.print(table)
+    raise typer.Exit(1 if any(r["differs"] for r in rows) else 0)
+
+
+@app.command()
+def chat(
+    record_path: Annotated[Optional[Path], typer.Option("--record", help="Record the conversation to this session file.")] = None,
+    system: Annotated[Optional[str], typer.Option("--system", help="System message.")] = None,
+    model: ModelOpt = None,
+    ctx: CtxOpt = 4096,
+    kv_type: KvOpt = "f32",
+    threads: ThreadsOpt = None,
+    temperature: Annotated[float, typer.Option()] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
+    seed: Annotated[int, typer.Option()] = 0,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n")] = 256,
+) -> None:
+    """Interactive multi-turn chat (empty line or EOF ends it); recorded turn by turn with --record."""
+    from .engine import Engine, set_threads
+    from .kvcache import parse_kv_type
+    from .session import Conversation, TurnSampling, effective_sampling, new_record, run_turn, write_session
+
+    try:
+        parse_kv_type(kv_type)
+        set_threads(threads)
+        engine = Engine.load(model, n_ctx=ctx, kv_type=kv_type)
+        sampling = effective_sampling(TurnSampling(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens), None)
+        conv, cache, turns = Conversation(engine), engine.new_cache(), []
+        while True:
+            try:
+                line = input("> " if sys.stdin.isatty() else "")
+            except EOFError:
+                break
+            if not line.strip():
+                break
+            msgs = ([{"role": "system", "content": system}] if system and not turns else []) + [{"role": "user", "content": line}]
+            turns.append(run_turn(engine, conv, cache, msgs, sampling, on_step=_stream(False)))
+            sys.stdout.write("\n")
+            if record_path is not None:
+                write_session(new_record(engine, turns), record_path)
+    except DetinferError as e:
+        _fail(e)
+
+
+@kv_app.command("inspect")
+def kv_inspect(path: Annotated[Path, typer.Argument(help=".detkv file")]) -> None:
+    """Show a KV snapshot's header, model, tokens, sizes and checksum status."""
+    from .kvfile import inspect_kv
+
+    try:
+        info_ = inspect_kv(path)
+    except DetinferError as e:
+        _fail(e)
+    table = Table("field", "value", title=escape(str(path)))
+    for k, v in info_.items():
+        text = str(v)
+        table.add_row(k, escape(text if len(text) <= 120 else text[:117] + "…"))
+    out.print(table)
 
 
 def _summary(m, out_path: Optional[Path]) -> None:

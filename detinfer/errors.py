@@ -38,6 +38,11 @@ class KVTypeError(InputError):
     """A quantized KV cache type was requested: it breaks the determinism contract."""
 
 
+class KVFileError(DetinferError):
+    """A .detkv KV snapshot file that is missing, truncated, corrupt (checksum), of another format version, or
+    made for another model, tokenizer, KV type or shape."""
+
+
 class ManifestError(DetinferError):
     """A run manifest that is unreadable, schema-invalid, tampered with, or refers to another model."""
 

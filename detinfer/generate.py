@@ -67,6 +67,7 @@ class GenerationResult:
     digests: list[str] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     kv_sha256: str = ""
+    reused_tokens: int = 0
     timings: Timings = field(default_factory=Timings)
 
 
@@ -110,6 +111,20 @@ def check_prompt(engine: Engine, tokens: Sequence[int]) -> None:
         )
 
 
+def reuse_prefix(cache: KVCache, prompt_tokens: Sequence[int]) -> int:
+    """Keep the longest prefix of ``prompt_tokens`` that ``cache`` already holds (truncating what differs) and
+    return its length. At least the last prompt token is always recomputed, since its logits are needed.
+    Exact: attention state at a position depends only on the tokens up to it."""
+    held = cache.tokens
+    n = 0
+    limit = min(len(held), len(prompt_tokens) - 1)
+    while n < limit and held[n] == prompt_tokens[n]:
+        n += 1
+    if n < cache.n_tokens:
+        cache.truncate(n)
+    return n
+
+
 def generate(
     engine: Engine,
     prompt_tokens: Sequence[int],
@@ -124,6 +139,9 @@ def generate(
 ) -> Iterator[Step]:
     """Prefill ``prompt_tokens`` and generate up to ``max_tokens`` tokens, yielding one Step per token.
 
+    ``cache`` (optional) may already hold a prefix of the prompt: only the rest is computed (see
+    :func:`reuse_prefix`), with the same bytes as a cold run.
+
     Stops at an end-of-generation token (not emitted as text; unless ``ignore_eos``), a stop string (its text
     is never emitted), ``max_tokens``, or the end of the context (stop reason "length": a token at position p
     needs p < n_ctx). ``result`` (optional) is filled in as the stream advances, with the final KV digest at the
@@ -134,15 +152,17 @@ def generate(
         raise InputError(f"--max-tokens must be at least 1, got {max_tokens}")
     res = result if result is not None else GenerationResult()
     cache = cache if cache is not None else engine.new_cache()
+    reused = reuse_prefix(cache, prompt_tokens)
     history = list(prompt_tokens)
     decoder = engine.tokenizer.stream_decoder()
     matcher = _StopMatcher(stop)
     eog = frozenset() if ignore_eos else engine.tokenizer.eog_ids
     digest = DIGEST_SEED
     t0 = time.perf_counter()
-    logits = engine.forward(prompt_tokens, cache, chunk_size=chunk_size)
+    logits = engine.forward(prompt_tokens[reused:], cache, chunk_size=chunk_size)
     res.timings.prefill_s = time.perf_counter() - t0
-    res.timings.prompt_tokens = len(prompt_tokens)
+    res.timings.prompt_tokens = len(prompt_tokens) - reused
+    res.reused_tokens = reused
     t0 = time.perf_counter()
     index = 0
     while True:

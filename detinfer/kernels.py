@@ -4,15 +4,20 @@ Rules that make every output bit-identical across thread counts, prefill chunk s
 (measured facts in shared/NUMERICS.md):
 
 - ``prange`` runs only over independent outputs (row groups, heads x tokens), never over a sum.
-- Every reduction is written out sequentially in the source; no fastmath, no BLAS, no ``np.dot``.
+- Every reduction is written out in the source in a fixed order (sequential, or a fixed number of partial sums
+  combined in a fixed tree); no fastmath (LLVM never contracts or reassociates), no BLAS, no ``np.dot``.
+- Fused multiply-adds appear only as explicit :func:`fma32` calls (``llvm.fma.f32``, one rounding on every
+  target) and are part of the documented order; the quantized matmuls use them.
 - Quantized matrices are repacked at load so that a group of ``ROWS`` output rows is stored k-major: each
-  output still sums over k in plain sequential order, and LLVM vectorizes *across rows*, which changes no bit.
+  output keeps its own documented order over k, and LLVM vectorizes *across rows*, which changes no bit.
 - A token's arithmetic never depends on how many other tokens share its chunk: prefill of n tokens computes,
   for every token, exactly the operations one-token decode does.
 - ``exp`` is float32 ``math.exp`` (glibc ``expf``), identical on every compile target tested.
 
 Indexing goes through slices (``row = a[i]``, then ``row[r]`` with ``r`` from ``range``) so LLVM can see the
-indices are non-negative and vectorize; a computed index would keep numba's negative-index wraparound in the loop.
+indices are non-negative and vectorize. The one computed index, ``block[j * ROWS + r]`` in the quantized matmuls
+(``j`` a constant of an unrolled loop, ``r`` from ``range``), is provably non-negative to LLVM, and its constant
+offsets keep one base pointer where a 2-D ``block[j, r]`` kept 16-32 row pointers spilled on the stack.
 """
 
 from __future__ import annotations
@@ -128,8 +133,9 @@ def matmul_q4(qs, d, m, x, xsum, out):
     [T, nb] from :func:`block_sums`; out: float32 [T, n_out] with n_out <= G*ROWS (padding rows are not written).
     Order per output (float32, fma = one rounding, :func:`fma32`): per block, four partial sums over the
     elements e = 8k .. 8k+7 in increasing e, c_k = fma(q_e, x_e, c_k) from c_k = +0; s = (c0 + c1) + (c2 + c3);
-    then blocks left to right from acc = +0: acc = acc + fma(d, s, m * xsum). Parallel over row groups only;
-    every token of a chunk runs exactly this sequence, as one-token decode does.
+    then blocks left to right from acc = +0: acc = acc + fma(d, s, m * xsum). Parallel over row groups only.
+    Chunks (T > 1) go two tokens at a time, sharing each code's conversion to float; every token still runs
+    exactly the sequence above, so a chunk gives the bytes of one-token calls.
     """
     G, nb = d.shape[0], d.shape[1]
     n_out, T = out.shape[1], x.shape[0]
@@ -137,19 +143,17 @@ def matmul_q4(qs, d, m, x, xsum, out):
         row0 = g * ROWS
         n = min(ROWS, n_out - row0)
         qg, dg, mg = qs[g], d[g], m[g]
-        for t in range(T):
-            o = out[t, row0 : row0 + n]
+        if T == 1:  # decode: accumulate straight into out
+            o = out[0, row0 : row0 + n]
             for r in range(n):
                 o[r] = np.float32(0.0)
-        for b in range(nb):
-            _prefetch_rows(qg, b + PREFETCH_BLOCKS)
-            _prefetch_rows(dg, b + PREFETCH_BLOCKS)
-            _prefetch_rows(mg, b + PREFETCH_BLOCKS)
-            qb, db, mb = qg[b], dg[b], mg[b]
-            for t in range(T):
-                xb = x[t, b * QK : b * QK + QK]
-                xs = xsum[t, b]
-                o = out[t, row0 : row0 + n]
+            for b in range(nb):
+                _prefetch_rows(qg, b + PREFETCH_BLOCKS)
+                _prefetch_rows(dg, b + PREFETCH_BLOCKS)
+                _prefetch_rows(mg, b + PREFETCH_BLOCKS)
+                qb, db, mb = qg[b], dg[b], mg[b]
+                xb = x[0, b * QK : b * QK + QK]
+                xs = xsum[0, b]
                 for r in range(n):  # vectorized across rows; the j loop is unrolled (constant trip count)
                     c0 = np.float32(0.0)
                     c1 = np.float32(0.0)
@@ -163,6 +167,77 @@ def matmul_q4(qs, d, m, x, xsum, out):
                         c2 = fma32(_hi4(q0), xb[16 + j], c2)
                         c3 = fma32(_hi4(q1), xb[24 + j], c3)
                     o[r] = o[r] + fma32(db[r], (c0 + c1) + (c2 + c3), mb[r] * xs)
+            continue
+        # Chunk: accumulators acc[t*ROWS + r] and the pair's activations xt[u*32 + e] live in local buffers, so
+        # the vectorized row loop touches few distinct arrays (LLVM gives up above a few runtime alias checks).
+        acc = np.zeros(T * ROWS, np.float32)
+        xt = np.empty(2 * QK, np.float32)
+        for b in range(nb):
+            _prefetch_rows(qg, b + PREFETCH_BLOCKS)
+            _prefetch_rows(dg, b + PREFETCH_BLOCKS)
+            _prefetch_rows(mg, b + PREFETCH_BLOCKS)
+            qb, db, mb = qg[b], dg[b], mg[b]
+            t = 0
+            while t + 2 <= T:
+                xa = x[t, b * QK : b * QK + QK]
+                xn = x[t + 1, b * QK : b * QK + QK]
+                for e in range(QK):
+                    xt[e] = xa[e]
+                    xt[QK + e] = xn[e]
+                sa = xsum[t, b]
+                sn = xsum[t + 1, b]
+                at = acc[t * ROWS : t * ROWS + 2 * ROWS]
+                for r in range(n):
+                    a0 = np.float32(0.0)
+                    a1 = np.float32(0.0)
+                    a2 = np.float32(0.0)
+                    a3 = np.float32(0.0)
+                    n0 = np.float32(0.0)
+                    n1 = np.float32(0.0)
+                    n2 = np.float32(0.0)
+                    n3 = np.float32(0.0)
+                    for j in range(8):
+                        q0 = qb[j * ROWS + r]
+                        q1 = qb[(8 + j) * ROWS + r]
+                        f0 = _lo4(q0)
+                        f1 = _lo4(q1)
+                        f2 = _hi4(q0)
+                        f3 = _hi4(q1)
+                        a0 = fma32(f0, xt[j], a0)
+                        a1 = fma32(f1, xt[8 + j], a1)
+                        a2 = fma32(f2, xt[16 + j], a2)
+                        a3 = fma32(f3, xt[24 + j], a3)
+                        n0 = fma32(f0, xt[QK + j], n0)
+                        n1 = fma32(f1, xt[QK + 8 + j], n1)
+                        n2 = fma32(f2, xt[QK + 16 + j], n2)
+                        n3 = fma32(f3, xt[QK + 24 + j], n3)
+                    dr = db[r]
+                    mr = mb[r]
+                    at[r] = at[r] + fma32(dr, (a0 + a1) + (a2 + a3), mr * sa)
+                    at[ROWS + r] = at[ROWS + r] + fma32(dr, (n0 + n1) + (n2 + n3), mr * sn)
+                t += 2
+            if t < T:  # odd chunk: the last token alone
+                xa = x[t, b * QK : b * QK + QK]
+                sa = xsum[t, b]
+                at = acc[t * ROWS : t * ROWS + ROWS]
+                for r in range(n):
+                    a0 = np.float32(0.0)
+                    a1 = np.float32(0.0)
+                    a2 = np.float32(0.0)
+                    a3 = np.float32(0.0)
+                    for j in range(8):
+                        q0 = qb[j * ROWS + r]
+                        q1 = qb[(8 + j) * ROWS + r]
+                        a0 = fma32(_lo4(q0), xa[j], a0)
+                        a1 = fma32(_lo4(q1), xa[8 + j], a1)
+                        a2 = fma32(_hi4(q0), xa[16 + j], a2)
+                        a3 = fma32(_hi4(q1), xa[24 + j], a3)
+                    at[r] = at[r] + fma32(db[r], (a0 + a1) + (a2 + a3), mb[r] * sa)
+        for t in range(T):
+            o = out[t, row0 : row0 + n]
+            at = acc[t * ROWS : t * ROWS + ROWS]
+            for r in range(n):
+                o[r] = at[r]
 
 
 @njit(cache=True, parallel=True)

@@ -1,16 +1,22 @@
-"""The KV cache: per-layer K and V for every position, append-only, truncatable, hashable.
+"""The KV cache: per-layer K and V for every position, append-only, truncatable, hashable, snapshottable.
 
 Size: n_layer x positions x 2 (K and V) x kv_width x bytes_per_number, with kv_width = n_head_kv x head_dim.
 
 Every layer here is an attention layer, whose state at position p depends only on tokens 0..p, so truncating
 to an earlier position is exact. A recurrent-state layer (a running total such as Gated DeltaNet's) has no
 per-position state and could not be truncated: such a cache would report ``truncatable = False`` and callers
-fall back to recomputation.
+fall back to recomputation (a snapshot of it would be reusable only at exactly its own length). No such layer
+exists yet.
+
+A :class:`KVSnapshot` is a compact, read-only copy of positions 0..n-1; restoring it into a cache and
+continuing gives the same bytes as never having stopped, because the cache's contents depend only on its tokens.
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -45,15 +51,120 @@ def kv_bytes_per_number(kv_type: str) -> int:
     return np.dtype(KV_TYPES[parse_kv_type(kv_type)]).itemsize
 
 
+def canonical_layers(k: Sequence[np.ndarray], v: Sequence[np.ndarray], n: int) -> Iterator[np.ndarray]:
+    """Positions 0..n-1 in the canonical order: for each layer, K then V, each a C-contiguous little-endian
+    [n, n_head_kv, head_dim] array (independent of the in-memory layout).
+
+    k[l]: [n_head_kv, head_dim, >= n]; v[l]: [n_head_kv, >= n, head_dim]. Used by the digest and by .detkv files,
+    so a file's array section is exactly the bytes its digest hashes.
+    """
+    for kl, vl in zip(k, v):
+        yield np.ascontiguousarray(kl[:, :, :n].transpose(2, 0, 1), dtype=kl.dtype.newbyteorder("<"))
+        yield np.ascontiguousarray(vl[:, :n, :].transpose(1, 0, 2), dtype=vl.dtype.newbyteorder("<"))
+
+
+def digest_prefix(kv_type: str, n_layer: int, n_head_kv: int, head_dim: int, n: int) -> bytes:
+    """The header line the KV digest starts with (kv type, shape, number of positions)."""
+    return f"detinfer-kv/1 {kv_type} {n_layer} {n_head_kv} {head_dim} {n}\n".encode()
+
+
+def _digest(kv_type: str, k: Sequence[np.ndarray], v: Sequence[np.ndarray], n: int) -> str:
+    n_head_kv, head_dim = k[0].shape[0], k[0].shape[1]
+    h = hashlib.sha256(digest_prefix(kv_type, len(k), n_head_kv, head_dim, n))
+    for a in canonical_layers(k, v, n):
+        h.update(a.data)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True, eq=False)
+class KVSnapshot:
+    """A read-only copy of K and V for positions 0..n_tokens-1 of one sequence.
+
+    k[l]: [n_head_kv, head_dim, n_tokens]; v[l]: [n_head_kv, n_tokens, head_dim] (the cache's layout, cut to
+    n_tokens); dtype float32, or uint16 float16 bits for kv_type "f16". ``tokens``: the ids at those positions.
+    Built by :meth:`KVCache.snapshot` or read from a .detkv file; raises InputError if the arrays do not agree
+    with each other, the kv type or the tokens.
+    """
+
+    kv_type: str
+    tokens: tuple[int, ...]
+    k: tuple[np.ndarray, ...]
+    v: tuple[np.ndarray, ...]
+
+    # Attention layers only, so any prefix of a snapshot is itself exact (see the module docstring).
+    truncatable = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
+        object.__setattr__(self, "k", tuple(self.k))
+        object.__setattr__(self, "v", tuple(self.v))
+        dtype = np.dtype(KV_TYPES[parse_kv_type(self.kv_type)])
+        if not self.k or len(self.k) != len(self.v):
+            raise InputError(f"a KV snapshot needs the same number (>= 1) of K and V layers, got {len(self.k)} and {len(self.v)}")
+        n_head_kv, head_dim, n = self.k[0].shape if self.k[0].ndim == 3 else (0, 0, -1)
+        for i, (kl, vl) in enumerate(zip(self.k, self.v)):
+            if kl.shape != (n_head_kv, head_dim, n) or vl.shape != (n_head_kv, n, head_dim) or kl.dtype != dtype or vl.dtype != dtype:
+                raise InputError(
+                    f"KV snapshot layer {i}: K {kl.shape} {kl.dtype} / V {vl.shape} {vl.dtype} do not match "
+                    f"[{n_head_kv}, {head_dim}, {n}] / [{n_head_kv}, {n}, {head_dim}] {dtype}"
+                )
+        if len(self.tokens) != n:
+            raise InputError(f"a KV snapshot of {n} positions has {len(self.tokens)} token ids")
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def n_layer(self) -> int:
+        return len(self.k)
+
+    @property
+    def n_head_kv(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(n_layer, n_head_kv, head_dim): what a cache must have to take this snapshot."""
+        return (self.n_layer, self.n_head_kv, self.head_dim)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K and V held: n_layer x n_tokens x 2 x kv_width x bytes_per_number."""
+        return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
+
+    def digest(self, n: int | None = None) -> str:
+        """sha256 hex of positions 0..n-1 (default all), equal to :meth:`KVCache.digest` of the cache it came from."""
+        n = self.n_tokens if n is None else n
+        if not 0 <= n <= self.n_tokens:
+            raise InputError(f"cannot digest {n} positions of a KV snapshot of {self.n_tokens}")
+        return _digest(self.kv_type, self.k, self.v, n)
+
+    def prefix(self, n: int) -> "KVSnapshot":
+        """The snapshot of positions 0..n-1 (views, no copy). Exact for attention layers; InputError if n is out of range."""
+        if not 0 <= n <= self.n_tokens:
+            raise InputError(f"cannot cut a KV snapshot of {self.n_tokens} tokens to {n}")
+        if not self.truncatable and n != self.n_tokens:
+            raise InputError("this KV snapshot holds recurrent state and cannot be cut to an earlier position")
+        return KVSnapshot(self.kv_type, self.tokens[:n], tuple(a[:, :, :n] for a in self.k), tuple(a[:, :n, :] for a in self.v))
+
+
 class KVCache:
     """K and V for positions 0..n_tokens-1 of one sequence.
 
     k[l]: [n_head_kv, head_dim, n_ctx] (transposed: attention scores read positions contiguously);
     v[l]: [n_head_kv, n_ctx, head_dim]; dtype float32, or uint16 float16 bits for kv_type "f16".
     ``tokens`` are the token ids whose K/V are held, in position order.
-    Arrays are allocated zeroed (untouched pages cost no memory) and never reallocated.
+    Arrays are allocated zeroed (untouched pages cost no memory) and never reallocated; positions past
+    n_tokens are kept zero (truncate and restore clear what they drop).
     """
 
+    # Attention layers: truncating to k < n_tokens is exact. A cache with a recurrent-state layer would set this
+    # False (its state is a running total over all positions, with nothing to cut back to).
     truncatable = True
 
     def __init__(self, cfg: ModelConfig, n_ctx: int, kv_type: str = "f32"):
@@ -72,6 +183,16 @@ class KVCache:
         return len(self.tokens)
 
     @property
+    def shape(self) -> tuple[int, int, int]:
+        """(n_layer, n_head_kv, head_dim)."""
+        return (self.n_layer, self.n_head_kv, self.head_dim)
+
+    @property
+    def held_nbytes(self) -> int:
+        """Bytes of the n_tokens positions held: the nbytes of :meth:`snapshot`."""
+        return sum(a[:, :, : self.n_tokens].nbytes for a in self.k) + sum(a[:, : self.n_tokens].nbytes for a in self.v)
+
+    @property
     def nbytes(self) -> int:
         """Allocated bytes for all n_ctx positions."""
         return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
@@ -84,6 +205,8 @@ class KVCache:
         """
         if not 0 <= n <= self.n_tokens:
             raise InputError(f"cannot truncate a KV cache of {self.n_tokens} tokens to {n}")
+        if not self.truncatable and n != self.n_tokens:
+            raise InputError("this KV cache holds recurrent state and cannot be truncated; recompute from the start")
         for k, v in zip(self.k, self.v):
             k[:, :, n : self.n_tokens] = 0
             v[:, n : self.n_tokens, :] = 0
@@ -92,13 +215,56 @@ class KVCache:
     def digest(self, n: int | None = None) -> str:
         """sha256 hex of the cache contents for positions 0..n-1 (default: all held positions).
 
-        Hashed in a canonical, layout-independent order: kv type and shape header, then for each layer K and
-        V as [position, n_head_kv, head_dim] little-endian bytes.
+        Hashed in a canonical, layout-independent order: the line from :func:`digest_prefix` (kv type, shape, n),
+        then for each layer K and V as [position, n_head_kv, head_dim] little-endian bytes.
         """
         n = self.n_tokens if n is None else n
-        h = hashlib.sha256()
-        h.update(f"detinfer-kv/1 {self.kv_type} {self.n_layer} {self.n_head_kv} {self.head_dim} {n}\n".encode())
-        for k, v in zip(self.k, self.v):
-            h.update(np.ascontiguousarray(k[:, :, :n].transpose(2, 0, 1)).astype(k.dtype.newbyteorder("<")).tobytes())
-            h.update(np.ascontiguousarray(v[:, :n, :].transpose(1, 0, 2)).astype(v.dtype.newbyteorder("<")).tobytes())
-        return h.hexdigest()
+        if not 0 <= n <= self.n_tokens:
+            raise InputError(f"cannot digest {n} positions of a KV cache of {self.n_tokens}")
+        return _digest(self.kv_type, self.k, self.v, n)
+
+    def snapshot(self, n: int | None = None) -> KVSnapshot:
+        """A read-only copy of positions 0..n-1 (default: all held positions), n_layer x n x 2 x kv_width numbers.
+
+        Raises InputError if n is negative or beyond n_tokens.
+        """
+        n = self.n_tokens if n is None else n
+        if not 0 <= n <= self.n_tokens:
+            raise InputError(f"cannot snapshot {n} positions of a KV cache of {self.n_tokens}")
+        if not self.truncatable and n != self.n_tokens:
+            raise InputError("this KV cache holds recurrent state; only a snapshot of all its positions is possible")
+        k = tuple(a[:, :, :n].copy() for a in self.k)
+        v = tuple(a[:, :n, :].copy() for a in self.v)
+        for a in k + v:
+            a.flags.writeable = False  # shared by the prefix cache: nothing may change it in place
+        return KVSnapshot(self.kv_type, tuple(self.tokens[:n]), k, v)
+
+    def restore(self, snapshot: KVSnapshot, n: int | None = None) -> None:
+        """Make this cache hold positions 0..n-1 of ``snapshot`` (default: all of it), whatever it held before.
+
+        Equivalent to a cache that computed those tokens itself: same bytes, same digest, same continuation.
+        Positions from n up to the previous n_tokens are zeroed. Raises InputError if the kv type or
+        (n_layer, n_head_kv, head_dim) differ, or n is out of range or exceeds n_ctx.
+        """
+        n = snapshot.n_tokens if n is None else n
+        if snapshot.kv_type != self.kv_type:
+            raise InputError(f"the KV snapshot is kv type {snapshot.kv_type} but the cache is {self.kv_type}; use --kv-type {snapshot.kv_type}")
+        if snapshot.shape != self.shape:
+            raise InputError(
+                f"the KV snapshot has (n_layer, n_head_kv, head_dim) = {snapshot.shape} but the cache has {self.shape}; "
+                "it was made by another model"
+            )
+        if not 0 <= n <= snapshot.n_tokens:
+            raise InputError(f"cannot restore {n} positions of a KV snapshot of {snapshot.n_tokens}")
+        if n > self.n_ctx:
+            raise InputError(f"the KV snapshot holds {n} positions but the cache has a context of {self.n_ctx}; raise --ctx")
+        if n != snapshot.n_tokens and not (self.truncatable and snapshot.truncatable):
+            raise InputError("this KV snapshot holds recurrent state and can only be restored whole")
+        old = self.n_tokens
+        for kc, vc, ks, vs in zip(self.k, self.v, snapshot.k, snapshot.v):
+            kc[:, :, :n] = ks[:, :, :n]
+            vc[:, :n, :] = vs[:, :n, :]
+            if old > n:
+                kc[:, :, n:old] = 0
+                vc[:, n:old, :] = 0
+        self.tokens[:] = snapshot.tokens[:n]

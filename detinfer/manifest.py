@@ -165,7 +165,7 @@ def load_manifest(path: str | Path) -> RunManifest:
         )
     kv_type = (data.get("engine") or {}).get("kv_type") if isinstance(data.get("engine"), dict) else None
     if kv_type in QUANTIZED_KV_TYPES:
-        raise KVTypeError(f"{path} names KV cache type {kv_type!r}, which is rejected: {KV_QUANT_REASON}")
+        raise KVTypeError(f"{path} is not a valid manifest: engine.kv_type {kv_type!r} is rejected: {KV_QUANT_REASON}")
     try:
         manifest = RunManifest.model_validate(data)
     except ValidationError as e:

@@ -163,7 +163,7 @@ class Comparison:
 
 def compare(expected: RunManifest, actual: RunManifest) -> Comparison:
     """Compare the contract fields of two manifests: inputs' hashes, output tokens, text, stop reason, KV hash
-    and the logits digest chain. ``first_divergent_step`` is the first step whose logits digest differs."""
+    and the logits digest chain. ``first_divergent_step`` is the first step whose logits digest or token differs."""
     diffs: list[Difference] = []
 
     def check(name: str, a, b) -> None:
@@ -179,9 +179,15 @@ def compare(expected: RunManifest, actual: RunManifest) -> Comparison:
     check("output.stop_reason", expected.output.stop_reason, actual.output.stop_reason)
     check("output.kv_sha256", expected.output.kv_sha256, actual.output.kv_sha256)
     check("output.logits_digests", expected.output.logits_digests, actual.output.logits_digests)
-    ed, ad = expected.output.logits_digests, actual.output.logits_digests
-    first = next((i for i in range(max(len(ed), len(ad))) if i >= len(ed) or i >= len(ad) or ed[i] != ad[i]), None)
-    return Comparison(tuple(diffs), first)
+    # a digest differs before the token sampled from it, but an edited (re-sealed) manifest can differ in a token only
+    firsts = [_first_difference(expected.output.logits_digests, actual.output.logits_digests),
+              _first_difference(expected.output.token_ids, actual.output.token_ids)]
+    return Comparison(tuple(diffs), min((i for i in firsts if i is not None), default=None))
+
+
+def _first_difference(a: list, b: list) -> int | None:
+    """First index where ``a`` and ``b`` differ (an index past the shorter one counts), or None if equal."""
+    return next((i for i in range(max(len(a), len(b))) if i >= len(a) or i >= len(b) or a[i] != b[i]), None)
 
 
 def _short(value) -> str:

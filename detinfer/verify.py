@@ -17,7 +17,8 @@ from pydantic import ValidationError
 from .engine import Engine
 from .errors import DetinferError, ManifestError
 from .golden import GoldenRecord
-from .manifest import PromptRecord, RunManifest, SamplingRecord, load_manifest, tokens_sha256
+from .kvcache import parse_kv_type
+from .manifest import EngineRecord, PromptRecord, RunManifest, SamplingRecord, load_manifest, tokens_sha256
 from .run import engine_for_manifest, execute, reexecute
 
 MATCH, MISMATCH, BAD_INPUT = "match", "mismatch", "bad input"
@@ -95,6 +96,24 @@ def _is_golden(path: Path) -> bool:
     return isinstance(data, dict) and "case" in data and "schema_version" not in data
 
 
+def _golden_settings(path: Path, record: GoldenRecord) -> tuple[int, str, bool, SamplingRecord]:
+    """(n_ctx, kv_type, chat, sampling) from a golden record's settings; ManifestError naming a missing or bad key."""
+    settings = dict(record.settings)
+    try:
+        n_ctx, kv_type, chat = settings.pop("n_ctx"), settings.pop("kv_type"), settings.pop("chat")
+        EngineRecord(n_ctx=n_ctx, kv_type=parse_kv_type(kv_type))  # a quantized KV type is rejected with its reason
+        sampling = SamplingRecord(**settings)
+    except KeyError as e:
+        raise ManifestError(f"{path} is not a valid golden record: settings.{e.args[0]} is missing") from None
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        raise ManifestError(f"{path} is not a valid golden record: settings.{loc}: {err['msg']}") from None
+    if not isinstance(chat, bool):
+        raise ManifestError(f"{path} is not a valid golden record: settings.chat must be true or false, got {chat!r}")
+    return n_ctx, kv_type, chat, sampling
+
+
 def verify_golden(path: Path, engines: dict[tuple, Engine], *, model: str | None = None) -> VerifyResult:
     """Re-run a golden token stream (golden/<case>.json) from its settings and compare tokens and text."""
     t0 = time.perf_counter()
@@ -103,18 +122,17 @@ def verify_golden(path: Path, engines: dict[tuple, Engine], *, model: str | None
             record = GoldenRecord.model_validate_json(path.read_text(encoding="utf-8"))
         except ValidationError as e:
             raise ManifestError(f"{path} is not a valid golden record: {e.errors()[0]['msg']}") from None
-        settings = dict(record.settings)
-        key = (record.model_sha256, settings.pop("n_ctx"), settings.pop("kv_type"))
+        n_ctx, kv_type, chat, sampling = _golden_settings(path, record)
+        key = (record.model_sha256, n_ctx, kv_type)
         if key not in engines:
             engine = Engine.load(model, n_ctx=key[1], kv_type=key[2])
             if engine.model_file.sha256 != record.model_sha256:
                 raise ManifestError(f"{path} was recorded with model sha256 {record.model_sha256[:16]}..., not {engine.model_file.path.name}")
             engines[key] = engine
         engine = engines[key]
-        chat = settings.pop("chat")
         ids = record.prompt_token_ids
         prompt = PromptRecord(text=None, chat=chat, rendered="", token_ids=ids, tokens_sha256=tokens_sha256(ids))
-        actual = execute(engine, prompt, SamplingRecord(**settings))
+        actual = execute(engine, prompt, sampling)
     except DetinferError as e:
         return VerifyResult(str(path), BAD_INPUT, message=str(e), seconds=time.perf_counter() - t0)
     diffs = [

@@ -1,0 +1,353 @@
+"""Agent sessions: multi-turn conversations kept as token ids, recorded, and replayed exactly.
+
+Each turn appends its messages to the conversation, then the model generates one assistant message. The
+conversation is kept as **token ids**: generated tokens (including the end-of-turn token) are never re-tokenized,
+so turn k+1's prompt begins with exactly turn k's prompt plus its generated tokens. The tokens appended for a
+turn are the chat template's rendering of the new messages (the text the template adds after the history);
+where the template would render the history differently from the tokens, the token history wins and the turn
+record says so in ``template_note``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .engine import Engine
+from .errors import InputError, ManifestError
+from .fileio import atomic_write_text
+from .generate import GenerationResult, Step, check_prompt, generate
+from .kvcache import KVCache
+from .manifest import EngineRecord, ModelRecord, canonical_json
+from .run import model_record, versions
+from .sampler import SamplingParams
+
+SESSION_SCHEMA_VERSION = 1
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class TurnSampling(_Strict):
+    """Per-turn sampling overrides (any subset of the session's defaults)."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    repeat_last_n: int | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop: list[str] | None = None
+
+
+class ScriptTurn(_Strict):
+    messages: list[ChatMessage] = Field(min_length=1)
+    sampling: TurnSampling | None = None
+
+
+class SessionScript(_Strict):
+    """Input: ``{"model": ..., "sampling": {...}, "turns": [{"messages": [...], "sampling": {...}}, ...]}``."""
+
+    model: str | None = None
+    sampling: TurnSampling = TurnSampling()
+    turns: list[ScriptTurn] = Field(min_length=1)
+
+
+class TurnRecord(_Strict):
+    messages: list[ChatMessage]
+    sampling: dict[str, Any]
+    appended_token_ids: list[int]
+    generated_token_ids: list[int]
+    text: str
+    stop_reason: str
+    reused_tokens: int
+    kv_sha256: str
+    logits_digests: list[str]
+    template_note: str | None = None
+    seconds: float = Field(default=0.0, description="informative: never compared")
+
+
+class SessionRecord(_Strict):
+    schema_version: Literal[1] = SESSION_SCHEMA_VERSION
+    model: ModelRecord
+    tokenizer_sha256: str
+    chat_template_sha256: str | None
+    engine: EngineRecord
+    turns: list[TurnRecord]
+    informative: dict[str, Any] = {}
+
+
+DEFAULT_SAMPLING = {"max_tokens": 128, "stop": []}
+
+
+def effective_sampling(default: TurnSampling, override: TurnSampling | None) -> dict[str, Any]:
+    """Session defaults overlaid with a turn's overrides, as plain values (unset fields keep library defaults)."""
+    merged = dict(DEFAULT_SAMPLING)
+    for src in (default, override):
+        if src is not None:
+            merged.update({k: v for k, v in src.model_dump().items() if v is not None})
+    return merged
+
+
+def _params(sampling: dict[str, Any]) -> SamplingParams:
+    return SamplingParams.from_dict({k: v for k, v in sampling.items() if k not in ("max_tokens", "stop")})
+
+
+def load_script(path: str | Path) -> SessionScript:
+    """Read a session script; raises InputError (one line) for unreadable, non-JSON or invalid scripts."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise InputError(f"cannot read session script {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise InputError(f"{path} is not JSON ({e})") from None
+    try:
+        script = SessionScript.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise InputError(f"{path}: {'.'.join(str(x) for x in err['loc'])}: {err['msg']}") from None
+    for turn in script.turns:
+        _params(effective_sampling(script.sampling, turn.sampling))  # reject bad values before running anything
+    return script
+
+
+class Conversation:
+    """A conversation as token ids plus the messages that produced them (for rendering the next turn)."""
+
+    def __init__(self, engine: Engine):
+        if engine.chat_template is None:
+            raise InputError(f"{engine.model_file.path.name} has no chat template; sessions need one")
+        self.engine = engine
+        self.messages: list[dict] = []
+        self.tokens: list[int] = []
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        tok = self.engine.tokenizer
+        return self.engine.chat_template.render(
+            messages,
+            add_generation_prompt=generation_prompt,
+            bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
+            eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
+        )
+
+    def append_messages(self, messages: list[dict]) -> tuple[list[int], str | None]:
+        """Tokens to append for ``messages`` followed by the assistant generation prompt, and a note when the
+        template renders the existing history differently from its tokens (the tokens win)."""
+        tok = self.engine.tokenizer
+        full = self._render(self.messages + messages, True)
+        if not self.tokens:
+            return tok.encode(full, add_bos=False, parse_special=True), None
+        history_text = tok.decode(self.tokens)
+        note = None
+        if full.startswith(history_text):
+            delta = full[len(history_text):]
+        else:
+            before = self._render(self.messages, False)
+            delta = full[len(before):] if full.startswith(before) else self._render(messages, True)
+            note = "the chat template renders the history differently from its tokens; the token history was kept"
+        return tok.encode(delta, add_bos=False, parse_special=True), note
+
+    def add_turn(self, messages: list[dict], appended: list[int], generated: list[int], text: str) -> None:
+        self.messages += messages + [{"role": "assistant", "content": text}]
+        self.tokens += appended + generated
+
+
+def run_turn(
+    engine: Engine,
+    conv: Conversation,
+    cache: KVCache,
+    messages: list[dict],
+    sampling: dict[str, Any],
+    *,
+    appended: list[int] | None = None,
+    note: str | None = None,
+    on_step: Callable[[Step], None] | None = None,
+) -> TurnRecord:
+    """Append ``messages`` (or the recorded ``appended`` token ids, when replaying) and generate one turn.
+
+    The cache is reused for whatever prefix it holds. Raises InputError naming the token counts if the turn
+    would overflow n_ctx.
+    """
+    if appended is None:
+        appended, note = conv.append_messages(messages)
+    prompt = conv.tokens + appended
+    if len(prompt) >= engine.n_ctx:
+        raise InputError(
+            f"the conversation would reach {len(prompt)} tokens ({len(conv.tokens)} history + {len(appended)} new) "
+            f"but the context holds {engine.n_ctx}; raise --ctx"
+        )
+    check_prompt(engine, prompt)
+    res = GenerationResult()
+    t0 = time.perf_counter()
+    for step in generate(engine, prompt, _params(sampling), max_tokens=sampling["max_tokens"], stop=sampling["stop"], cache=cache, result=res):
+        if on_step:
+            on_step(step)
+    record = TurnRecord(
+        messages=[ChatMessage(**m) for m in messages],
+        sampling=sampling,
+        appended_token_ids=appended,
+        generated_token_ids=res.tokens,
+        text=res.text,
+        stop_reason=res.stop_reason,
+        reused_tokens=res.reused_tokens,
+        kv_sha256=res.kv_sha256,
+        logits_digests=res.digests,
+        template_note=note,
+        seconds=round(time.perf_counter() - t0, 4),
+    )
+    conv.add_turn(messages, appended, res.tokens, res.text)
+    return record
+
+
+def new_record(engine: Engine, turns: list[TurnRecord]) -> SessionRecord:
+    import numba
+
+    return SessionRecord(
+        model=model_record(engine),
+        tokenizer_sha256=engine.tokenizer.hash,
+        chat_template_sha256=engine.chat_template.hash if engine.chat_template else None,
+        engine=EngineRecord(n_ctx=engine.n_ctx, kv_type=engine.kv_type),
+        turns=turns,
+        informative={"threads": numba.get_num_threads(), "versions": versions(), "model_path": str(engine.model_file.path)},
+    )
+
+
+def write_session(record: SessionRecord, path: str | Path) -> None:
+    """Write a session record atomically as canonical JSON."""
+    atomic_write_text(path, canonical_json(record.model_dump(mode="json")))
+
+
+def load_session(path: str | Path) -> SessionRecord:
+    """Read a session record; ManifestError (one line) if unreadable, not JSON, another schema or invalid."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ManifestError(f"cannot read session {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise ManifestError(f"{path} is not a JSON session record ({e})") from None
+    if not isinstance(data, dict) or data.get("schema_version") != SESSION_SCHEMA_VERSION:
+        raise ManifestError(f"{path}: session schema_version {data.get('schema_version') if isinstance(data, dict) else None!r} is not {SESSION_SCHEMA_VERSION}")
+    try:
+        return SessionRecord.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise ManifestError(f"{path} is not a valid session record: {'.'.join(str(x) for x in err['loc'])}: {err['msg']}") from None
+
+
+def run_session(
+    engine: Engine,
+    turns: list[ScriptTurn],
+    default_sampling: TurnSampling,
+    *,
+    out: str | Path | None = None,
+    prior: SessionRecord | None = None,
+    kv_dir: str | Path | None = None,
+    on_step: Callable[[Step], None] | None = None,
+    on_turn: Callable[[int, TurnRecord], None] | None = None,
+) -> SessionRecord:
+    """Run scripted turns (after replaying ``prior``'s turns exactly, for branching) and record them.
+
+    The record is written to ``out`` after every turn, so a later failing turn loses nothing recorded before it.
+    With ``kv_dir`` the KV cache is saved after each turn as ``turn-NNN.detkv``.
+    """
+    conv = Conversation(engine)
+    cache = engine.new_cache()
+    records: list[TurnRecord] = []
+    if prior is not None:
+        for i, turn in enumerate(prior.turns):
+            rec = run_turn(engine, conv, cache, [m.model_dump() for m in turn.messages], turn.sampling,
+                           appended=turn.appended_token_ids, note=turn.template_note)
+            if compare_turn(turn, rec):
+                raise ManifestError(f"turn {i + 1} of the recorded session does not replay exactly; cannot branch from it")
+            records.append(turn)
+    for turn in turns:
+        sampling = effective_sampling(default_sampling, turn.sampling)
+        try:
+            rec = run_turn(engine, conv, cache, [m.model_dump() for m in turn.messages], sampling, on_step=on_step)
+        except InputError as e:
+            if out is not None:
+                write_session(new_record(engine, records), out)
+            raise InputError(f"turn {len(records) + 1}: {e}") from None
+        records.append(rec)
+        if kv_dir is not None:
+            from .kvfile import save_kv
+
+            save_kv(Path(kv_dir) / f"turn-{len(records):03d}.detkv", cache, model_sha256=engine.model_file.sha256,
+                    tokenizer_sha256=engine.tokenizer.hash)
+        if out is not None:
+            write_session(new_record(engine, records), out)
+        if on_turn:
+            on_turn(len(records), rec)
+    return new_record(engine, records)
+
+
+def compare_turn(expected: TurnRecord, actual: TurnRecord) -> list[str]:
+    """Contract fields of a turn that differ (timings are never compared)."""
+    fields = ("appended_token_ids", "generated_token_ids", "text", "stop_reason", "kv_sha256", "logits_digests")
+    return [f for f in fields if getattr(expected, f) != getattr(actual, f)]
+
+
+def replay_turns(
+    engine: Engine,
+    record: SessionRecord,
+    *,
+    use_cache: bool = True,
+    kv_dir: str | Path | None = None,
+    until: int | None = None,
+    warn: Callable[[str], None] | None = None,
+) -> list[tuple[TurnRecord, list[str], int | None]]:
+    """Re-execute recorded turns: for each, (actual turn, differing fields, first divergent step).
+
+    ``use_cache`` False recomputes every prefix from scratch; ``kv_dir`` restores each turn's prefix from the
+    snapshot saved after the previous turn (a bad snapshot is a cache miss: recompute, warn).
+    """
+    if record.model.sha256 != engine.model_file.sha256:
+        raise ManifestError(
+            f"the session was recorded with model sha256 {record.model.sha256[:16]}... but {engine.model_file.path.name} "
+            f"has {engine.model_file.sha256[:16]}...; pass the right file with --model"
+        )
+    conv = Conversation(engine)
+    cache = engine.new_cache()
+    results = []
+    for i, turn in enumerate(record.turns[:until]):
+        if not use_cache:
+            cache = engine.new_cache()
+        elif kv_dir is not None and i > 0:
+            cache = _restore_snapshot(engine, Path(kv_dir) / f"turn-{i:03d}.detkv", warn) or cache
+        actual = run_turn(engine, conv, cache, [m.model_dump() for m in turn.messages], turn.sampling,
+                          appended=turn.appended_token_ids, note=turn.template_note)
+        diffs = compare_turn(turn, actual)
+        ed, ad = turn.logits_digests, actual.logits_digests
+        step = next((k for k in range(max(len(ed), len(ad))) if k >= len(ed) or k >= len(ad) or ed[k] != ad[k]), None)
+        results.append((actual, diffs, step))
+    return results
+
+
+def _restore_snapshot(engine: Engine, path: Path, warn: Callable[[str], None] | None) -> KVCache | None:
+    from .errors import DetinferError
+    from .kvfile import load_kv
+
+    try:
+        snap = load_kv(path, model_sha256=engine.model_file.sha256, tokenizer_sha256=engine.tokenizer.hash)
+        cache = engine.new_cache()
+        cache.restore(snap)
+        return cache
+    except DetinferError as e:
+        if warn:
+            warn(f"KV snapshot {path} not used ({e}); recomputing")
+        return None

@@ -1,0 +1,415 @@
+"""`detinfer verify`, golden token streams, manifest regeneration and the determinism matrix.
+
+Manifests are recorded with the library (short runs at n_ctx 256) and re-executed through the CLI in-process
+(typer's CliRunner, an isolated $DETINFER_HOME, the real model passed with --model). Exit codes: 0 all match,
+1 a mismatch, 2 bad input — a broken, edited or foreign manifest is never reported as a mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numba
+import pytest
+from typer.testing import CliRunner
+
+import detinfer.golden
+from detinfer.cli import app
+from detinfer.engine import Engine
+from detinfer.golden import Case, golden_json, golden_record, run_case, write_manifests
+from detinfer.kvcache import KV_QUANT_REASON
+from detinfer.manifest import SCHEMA_VERSION, RunManifest, load_manifest, tokens_sha256, write_manifest
+from detinfer.run import build_prompt, execute, sampling_record
+from detinfer.sampler import SamplingParams
+from detinfer.selftest import matrix, probe_process
+
+PROMPT = "The capital of France is"
+GREEDY_IDS = [7042, 30, 198, 198, 504, 2988, 314, 42]  # " Paris.\n\nThe answer is:"
+STORY = (  # 40 tokens: more than one chunk of 1 and 7, fewer than one of 64
+    "Once upon a time, in a small village at the edge of a great forest, there lived a wise old woman who kept bees. "
+    "Every morning she walked to the river and sang to the water."
+)
+RUNS = {  # name: (prompt, sampling parameters, kv type); 8 tokens each, EOS ignored
+    "greedy": (PROMPT, {}, "f32"),
+    "sampled": ("Write a short poem about the sea.", {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": 1234}, "f32"),
+    "f16_kv": (PROMPT, {}, "f16"),
+}
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty $DETINFER_HOME: no registry model is visible, so every run names its model with --model."""
+    return tmp_path_factory.mktemp("detinfer-home")
+
+
+@pytest.fixture(autouse=True)
+def all_threads():
+    """`verify --threads 1` runs in this process: give later tests their threads back."""
+    yield
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+
+
+def cli(home: Path, *args):
+    return runner.invoke(app, [str(a) for a in args], env={"DETINFER_HOME": str(home), "COLUMNS": "250"})
+
+
+def verify(home: Path, model_path: Path, *args):
+    r = cli(home, "verify", "--model", model_path, *args)
+    assert not (r.exception and not isinstance(r.exception, SystemExit)), repr(r.exception)
+    assert "Traceback" not in r.output
+    return r
+
+
+def verify_json(home: Path, model_path: Path, *args) -> tuple[int, dict[str, dict], dict]:
+    """`verify --json`: (exit code, {file name: result}, summary); every stdout line must be one JSON object."""
+    r = verify(home, model_path, "--json", *args)
+    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    *results, summary = lines
+    assert summary["summary"] is True and summary["exit_code"] == r.exit_code, r.stdout
+    assert summary["files"] == len(results)
+    return r.exit_code, {Path(x["path"]).name: x for x in results}, summary
+
+
+def row(stdout: str, name: str) -> str:
+    """The table row of the file called ``name``."""
+    rows = [line for line in stdout.splitlines() if re.search(rf"[/ ]{re.escape(name)}\s*│", line)]
+    assert len(rows) == 1, stdout
+    return rows[0]
+
+
+def report_lines(stdout: str, name: str) -> list[str]:
+    """The report lines under the table for the file called ``name`` (its message line and indented details)."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("/") and line.split(": ", 1)[0].endswith("/" + name))
+    end = next((i for i in range(start + 1, len(lines)) if not lines[i].startswith("  ")), len(lines))
+    return lines[start:end]
+
+
+@pytest.fixture(scope="module")
+def engine(model_path: Path) -> Engine:
+    return Engine.load(model_path, n_ctx=256)
+
+
+@pytest.fixture(scope="module")
+def recorded(engine: Engine, model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of manifests recorded with the library: greedy, seeded sampling, f16 KV (8 tokens each)."""
+    folder = tmp_path_factory.mktemp("recorded")
+    engines = {"f32": engine, "f16": Engine.load(model_path, n_ctx=256, kv_type="f16")}
+    for name, (text, params, kv_type) in RUNS.items():
+        eng = engines[kv_type]
+        sampling = sampling_record(SamplingParams.create(**params), max_tokens=8, ignore_eos=True)
+        write_manifest(execute(eng, build_prompt(eng, text=text), sampling), folder / f"{name}.json")
+    return folder
+
+
+def manifest_data(recorded: Path, name: str = "greedy") -> dict:
+    return json.loads((recorded / f"{name}.json").read_text())
+
+
+def with_output(m: RunManifest, **update) -> RunManifest:
+    """``m`` with output fields replaced (token ids keep their hash consistent) and sealed again: a valid record."""
+    if "token_ids" in update:
+        update["tokens_sha256"] = tokens_sha256(update["token_ids"])
+    return m.model_copy(update={"output": m.output.model_copy(update=update)}).sealed()
+
+
+def test_recorded_runs(recorded: Path):
+    greedy = load_manifest(recorded / "greedy.json")
+    assert greedy.output.token_ids == GREEDY_IDS
+    sampled = load_manifest(recorded / "sampled.json")
+    assert sampled.sampling.seed == 1234 and sampled.sampling.temperature == 0.8
+    f16 = load_manifest(recorded / "f16_kv.json")
+    assert f16.engine.kv_type == "f16" and f16.output.kv_sha256 != greedy.output.kv_sha256
+    for m in (greedy, sampled, f16):
+        assert len(m.output.token_ids) == len(m.output.logits_digests) == len(m.output.top_logits) == 8
+        assert m.informative.threads == numba.config.NUMBA_NUM_THREADS  # recorded with every thread
+
+
+# ------------------------------------------------------------------------------------------ matching runs
+
+
+def test_verify_folder_all_match(home: Path, model_path: Path, recorded: Path):
+    r = verify(home, model_path, recorded)
+    assert r.exit_code == 0, r.output
+    for name in RUNS:
+        assert re.search(r"│\s*smollm2-135m-instruct-q4_1\s*│\s*8\s*│\s*match\s*│", row(r.stdout, f"{name}.json")), r.stdout
+    assert "mismatch" not in r.stdout and "bad input" not in r.stdout
+
+
+def test_verify_json_with_one_thread(home: Path, model_path: Path, recorded: Path):
+    # recorded with all threads, re-executed with one: threads are informative, never compared
+    code, results, summary = verify_json(home, model_path, recorded, "--threads", "1")
+    assert code == 0
+    assert summary == {"summary": True, "files": 3, "match": 3, "mismatch": 0, "bad_input": 0, "exit_code": 0}
+    assert sorted(results) == sorted(f"{name}.json" for name in RUNS)
+    for name, res in results.items():
+        assert res["status"] == "match", res
+        assert res["threads"] == 1, res
+        assert res["steps"] == 8 and res["model"] == "smollm2-135m-instruct-q4_1"
+        assert res["differences"] == [] and res["divergence"] is None and res["message"] == ""
+
+
+def test_json_output_is_data_not_console_markup(home: Path, model_path: Path, recorded: Path, tmp_path: Path):
+    # rich turns ":pizza:" into an emoji and "[bold]" into a style: JSON must carry path and message exactly
+    odd = tmp_path / "[bold]:pizza:" / "run.json"
+    odd.parent.mkdir()
+    odd.write_text("{")
+    code, results, _ = verify_json(home, model_path, odd)
+    assert code == 2
+    res = results["run.json"]
+    assert res["path"] == str(odd) and res["message"].startswith(f"{odd} is not a JSON manifest"), res
+
+
+# ------------------------------------------------------------------------------------------ mismatches
+
+
+def test_wrong_output_is_a_mismatch_at_the_first_divergent_step(home: Path, model_path: Path, recorded: Path, engine: Engine, tmp_path: Path):
+    m = load_manifest(recorded / "greedy.json")
+    ids = list(m.output.token_ids)
+    ids[3] = 7042  # " Paris" where the model says "\n"
+    digests = list(m.output.logits_digests)
+    digests[3] = "0" * 64
+    write_manifest(with_output(m, token_ids=ids, logits_digests=digests), tmp_path / "wrong.json")
+    load_manifest(tmp_path / "wrong.json")  # a well-formed, sealed record: only its outputs are wrong
+
+    r = verify(home, model_path, tmp_path / "wrong.json")
+    assert r.exit_code == 1, r.output
+    assert re.search(r"│\s*8\s*│\s*mismatch\s*│", row(r.stdout, "wrong.json")), r.stdout
+    report = report_lines(r.stdout, "wrong.json")
+    assert report[0].endswith(": differs: output.token_ids, output.logits_digests"), report
+    text = engine.tokenizer.decode
+    divergence = f"  first divergent step 3: expected token 7042 {text([7042])!r}, got {GREEDY_IDS[3]} {text([GREEDY_IDS[3]])!r}"
+    assert divergence == "  first divergent step 3: expected token 7042 ' Paris', got 198 '\\n'"
+    assert divergence in report, report
+    top = [list(x) for x in m.output.top_logits[3]]  # recorded = actual: only the token and digest were edited
+    assert len(top) == 5 and top[0][0] == GREEDY_IDS[3]
+    assert f"  top-5 expected {top}" in report and f"  top-5 actual   {top}" in report, report
+
+
+def test_first_divergent_step_is_the_first_differing_digest_or_token(home: Path, model_path: Path, recorded: Path, tmp_path: Path):
+    m = load_manifest(recorded / "greedy.json")
+    digests = list(m.output.logits_digests)
+    digests[5] = "f" * 64
+    write_manifest(with_output(m, logits_digests=digests), tmp_path / "digest.json")  # tokens all right
+    ids = list(m.output.token_ids)
+    ids[2] = 7042
+    write_manifest(with_output(m, token_ids=ids, logits_digests=digests), tmp_path / "token_before_digest.json")
+
+    code, results, summary = verify_json(home, model_path, tmp_path)
+    assert code == 1 and summary["mismatch"] == 2 and summary["match"] == 0
+    digest = results["digest.json"]
+    assert [d["field"] for d in digest["differences"]] == ["output.logits_digests"]
+    dv = digest["divergence"]
+    assert dv["step"] == 5 and dv["expected_token"] == dv["actual_token"] == GREEDY_IDS[5]
+    assert dv["expected_top"] == dv["actual_top"] == [list(x) for x in m.output.top_logits[5]]
+    both = results["token_before_digest.json"]
+    assert [d["field"] for d in both["differences"]] == ["output.token_ids", "output.logits_digests"]
+    dv = both["divergence"]
+    assert (dv["step"], dv["expected_token"], dv["actual_token"]) == (2, 7042, GREEDY_IDS[2])
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+def _tamper_seed(data: dict) -> str:
+    data["sampling"]["seed"] += 1  # not re-sealed
+    return json.dumps(data)
+
+
+def _q8_kv(data: dict) -> str:
+    data["engine"]["kv_type"] = "q8_0"
+    return json.dumps(data)
+
+
+def _newer_schema(data: dict) -> str:
+    data["schema_version"] = SCHEMA_VERSION + 1
+    return json.dumps(data)
+
+
+def _truncated(data: dict) -> str:
+    text = json.dumps(data, indent=2)
+    return text[: len(text) // 2]
+
+
+BAD = {  # file name: (break a valid manifest's JSON, words the one-line message must contain)
+    "tampered.json": (_tamper_seed, ["section(s) sampling", "edited"]),
+    "q8_kv.json": (_q8_kv, ["'q8_0'", KV_QUANT_REASON]),
+    "newer.json": (_newer_schema, [f"schema_version {SCHEMA_VERSION + 1}", f"schema {SCHEMA_VERSION}", "upgrade detinfer"]),
+    "truncated.json": (_truncated, ["not a JSON manifest", "truncated"]),
+}
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_bad_manifest_is_bad_input(home: Path, model_path: Path, recorded: Path, tmp_path: Path, name: str):
+    breaker, needles = BAD[name]
+    (tmp_path / name).write_text(breaker(manifest_data(recorded)))
+    code, results, summary = verify_json(home, model_path, tmp_path / name)
+    assert code == 2 and summary["bad_input"] == 1 and summary["mismatch"] == 0
+    res = results[name]
+    assert res["status"] == "bad input" and res["divergence"] is None
+    assert "\n" not in res["message"]
+    for needle in needles:
+        assert needle in res["message"], res["message"]
+
+
+def test_manifest_for_another_model_is_bad_input(home: Path, model_path: Path, recorded: Path, tmp_path: Path):
+    # a sealed manifest naming another model's hash: the model is wrong (2), the run is not a mismatch (1)
+    m = load_manifest(recorded / "greedy.json")
+    write_manifest(m.model_copy(update={"model": m.model.model_copy(update={"sha256": "0" * 64})}), tmp_path / "other.json")
+    code, results, summary = verify_json(home, model_path, tmp_path / "other.json")
+    assert code == 2 and summary["mismatch"] == 0
+    res = results["other.json"]
+    assert res["status"] == "bad input" and res["differences"] == []
+    for needle in ("model sha256 0000000000000000", model_path.name, m.model.sha256[:16], "--model"):
+        assert needle in res["message"], res["message"]
+
+
+def test_manifest_whose_model_is_missing_is_bad_input(home: Path, model_path: Path, recorded: Path, tmp_path: Path):
+    # found by its registry name in $DETINFER_HOME, which is empty here
+    r = cli(home, "verify", "--json", recorded / "greedy.json")
+    assert r.exit_code == 2, r.output
+    res = json.loads(r.stdout.splitlines()[0])
+    assert res["status"] == "bad input" and "not downloaded" in res["message"], res
+    code, results, _ = verify_json(home, tmp_path / "absent.gguf", recorded / "greedy.json")
+    assert code == 2 and "does not exist" in results["greedy.json"]["message"]
+
+
+def test_folder_mixing_good_and_bad_files(home: Path, model_path: Path, recorded: Path, tmp_path: Path):
+    shutil.copy(recorded / "greedy.json", tmp_path / "good.json")
+    for name, (breaker, _) in BAD.items():
+        (tmp_path / name).write_text(breaker(manifest_data(recorded)))
+    r = verify(home, model_path, tmp_path)
+    assert r.exit_code == 2, r.output
+    assert re.search(r"│\s*8\s*│\s*match\s*│", row(r.stdout, "good.json")), r.stdout  # still verified
+    for name, (_, needles) in BAD.items():
+        assert re.search(r"│\s*bad input\s*│", row(r.stdout, name)), r.stdout
+        report = report_lines(r.stdout, name)
+        assert len(report) == 1, report  # one line per bad file
+        for needle in needles:
+            assert needle in report[0], report
+    assert "good.json:" not in r.stdout and "mismatch" not in r.stdout
+
+
+def test_missing_path_or_empty_folder(home: Path, model_path: Path, recorded: Path, tmp_path: Path):
+    r = verify(home, model_path, recorded / "greedy.json", tmp_path / "absent.json")
+    assert r.exit_code == 2, r.output
+    assert r.stderr.splitlines() == [f"error: {tmp_path / 'absent.json'} does not exist; pass manifest files or folders"]
+    assert r.stdout == ""  # refused before anything ran
+    (tmp_path / "empty").mkdir()
+    r = verify(home, model_path, tmp_path / "empty")
+    assert r.exit_code == 2 and r.stderr.splitlines() == [f"error: no manifests found in {tmp_path / 'empty'}"], r.output
+
+
+# ------------------------------------------------------------------------------------------ golden records
+
+
+@pytest.fixture(scope="module")
+def golden_file(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A golden token stream (the reviewable record in golden/) of an 8-token greedy run at n_ctx 256."""
+    case = Case("short_greedy", PROMPT, max_tokens=8, n_ctx=256)
+    m = run_case({(256, "f32"): engine}, case)
+    path = tmp_path_factory.mktemp("golden") / "short_greedy.json"
+    path.write_text(golden_json(golden_record(case, m)))
+    return path
+
+
+def test_golden_record_verifies(home: Path, model_path: Path, golden_file: Path):
+    data = json.loads(golden_file.read_text())
+    assert data["output_token_ids"] == GREEDY_IDS and "schema_version" not in data
+    code, results, summary = verify_json(home, model_path, golden_file)
+    assert code == 0 and summary["match"] == 1
+    assert results["short_greedy.json"]["steps"] == 8
+
+
+def test_golden_record_with_other_tokens_is_a_mismatch(home: Path, model_path: Path, golden_file: Path, tmp_path: Path):
+    data = json.loads(golden_file.read_text())
+    data["output_token_ids"][2] = 7042
+    (tmp_path / "edited.json").write_text(json.dumps(data))
+    code, results, _ = verify_json(home, model_path, tmp_path / "edited.json")
+    assert code == 1
+    res = results["edited.json"]
+    assert res["status"] == "mismatch" and [d["field"] for d in res["differences"]] == ["output_token_ids"]
+    dv = res["divergence"]
+    assert (dv["step"], dv["expected_token"], dv["actual_token"]) == (2, 7042, GREEDY_IDS[2])
+
+
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (lambda s: s.pop("n_ctx"), "settings.n_ctx is missing"),
+        (lambda s: s.update(surprise=1), "settings.surprise"),
+        (lambda s: s.update(kv_type="q8_0"), KV_QUANT_REASON),
+        (lambda s: s.update(chat="yes"), "settings.chat"),
+    ],
+)
+def test_golden_record_with_bad_settings_is_bad_input(home: Path, model_path: Path, golden_file: Path, tmp_path: Path, edit, needle: str):
+    data = json.loads(golden_file.read_text())
+    edit(data["settings"])
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    code, results, _ = verify_json(home, model_path, tmp_path / "bad.json")
+    assert code == 2
+    assert results["bad.json"]["status"] == "bad input" and needle in results["bad.json"]["message"], results
+
+
+# ------------------------------------------------------------------------------------------ regeneration
+
+
+def test_regenerating_manifests_is_a_no_op(model_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    # all nine cases twice take ~90 s here (long_prompt alone is 1,616 tokens): three cover both KV types,
+    # chat + seeded sampling and a stop string
+    cases = [c for c in detinfer.golden.CASES if c.name in ("seeded_sampling", "stop_string", "f16_kv")]
+    assert len(cases) == 3
+    monkeypatch.setattr(detinfer.golden, "CASES", tuple(cases))
+    model = str(model_path)
+    first = write_manifests(tmp_path, model=model)
+    assert [(Path(p).name, s) for p, s in first] == [(f"{c.name}.json", "written") for c in cases]
+    before = {p: Path(p).read_bytes() for p, _ in first}
+    second = write_manifests(tmp_path, model=model)
+    assert [s for _, s in second] == ["unchanged"] * 3
+    assert {p: Path(p).read_bytes() for p, _ in second} == before  # not rewritten: timings would differ
+
+    # an edited file is rewritten, and only that one
+    edited = tmp_path / "stop_string.json"
+    data = json.loads(edited.read_text())
+    data["output"]["text"] += "!"
+    edited.write_text(json.dumps(data))
+    third = dict(write_manifests(tmp_path, model=model))
+    assert third == {str(tmp_path / f"{c.name}.json"): "written" if c.name == "stop_string" else "unchanged" for c in cases}
+    assert load_manifest(edited).contract() == RunManifest.model_validate_json(before[str(edited)]).contract()
+
+
+# ------------------------------------------------------------------------------------------ determinism matrix
+
+
+def test_selftest_matrix_in_process(engine: Engine, model_path: Path):
+    assert len(engine.tokenizer.encode(STORY)) == 40
+    rows = matrix(engine, str(model_path), text=STORY, processes=False)
+    results = {r.invariance: r for r in rows}
+    assert len(results) == len(rows) == 8
+    control = results.pop("negative control: reassociated RMSNorm must differ")
+    assert control.result == "detected" and control.max_abs_delta is not None and control.max_abs_delta > 0, control
+    assert results.pop("KV saved and restored vs never saved").result == "n/a"
+    for name in ("prefill chunk 1 vs whole prompt", "prefill chunk 7 vs whole prompt", f"threads 1 vs {numba.config.NUMBA_NUM_THREADS} (same process)"):
+        assert name in results
+    for r in results.values():
+        assert r.result == "identical", r
+
+
+@pytest.mark.slow
+def test_compile_target_generic_vs_host(model_path: Path):
+    # cold-compiles every kernel twice, once per fresh numba cache: 85-130 s on 2 shared cores
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as generic_cache, tempfile.TemporaryDirectory() as host_cache:
+        generic = probe_process(str(model_path), text=STORY, env={"NUMBA_CPU_NAME": "generic", "NUMBA_CPU_FEATURES": "", "NUMBA_CACHE_DIR": generic_cache})
+        assert any(Path(generic_cache).rglob("*.nbi")), "the generic probe did not compile into its own cache"
+        host = probe_process(str(model_path), text=STORY, env={"NUMBA_CACHE_DIR": host_cache})
+    print(f"compile targets: {time.perf_counter() - t0:.0f} s")
+    assert len(generic["generated"]) == 8
+    assert generic == host
