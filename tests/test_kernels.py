@@ -3,12 +3,16 @@
 Tolerances are worst-case float32 rounding bounds (Higham, "Accuracy and Stability of Numerical Algorithms",
 section 3.1): a sum of n float32 terms computed in any fixed order is within n * u * sum(|term|) of the exact
 sum, u = 2**-24. Each bound is taken relative to the *magnitude* of the sum (sum of |terms|), not to the
-result, so cancellation cannot make it too tight; it is ~1e-5 of that magnitude, while the bugs it guards
-against (wrong nibble, wrong scale, wrong pair, wrong KV head, missing mask) move results by O(1) of it.
-The determinism properties (chunk = one-token calls, 1 thread = 2 threads) are bitwise.
+result, so cancellation cannot make it too tight; it is 1e-5 to 1e-4 of that magnitude, while the bugs it
+guards against (wrong nibble, wrong scale, wrong pair, wrong KV head, missing mask) move results by O(1) of
+the result itself (the matmul oracle test checks this against a nibble-order bug).
+The matmuls' documented summation order (including its explicit FMAs) and the determinism properties
+(chunk = one-token calls, 1 thread = 2 threads) are bitwise.
 """
 
 from __future__ import annotations
+
+from fractions import Fraction
 
 import numba
 import numpy as np
@@ -47,8 +51,8 @@ def two_threads_or_skip() -> None:
         pytest.skip("numba was started with one thread")
 
 
-def assert_bytes_equal(got: np.ndarray, want: np.ndarray, what: str) -> None:
-    """Bitwise equality; on failure name the first differing [token, column]."""
+def assert_bytes_equal(got: np.ndarray, want: np.ndarray, what: str, axes: tuple[str, ...] = ()) -> None:
+    """Bitwise equality; on failure name the first differing index ([token, column]), labelled by ``axes``."""
     assert got.shape == want.shape and got.dtype == want.dtype, (
         f"{what}: {got.dtype}{got.shape} vs {want.dtype}{want.shape}"
     )
@@ -57,7 +61,11 @@ def assert_bytes_equal(got: np.ndarray, want: np.ndarray, what: str) -> None:
     bad = np.argwhere(g != w)
     if len(bad):
         idx = tuple(int(v) for v in bad[0])
-        pytest.fail(f"{what}: {len(bad)} of {got.size} values differ; first at {idx}: {got[idx]!r} vs {want[idx]!r}")
+        where = ", ".join(f"{a} {i}" for a, i in zip(axes, idx)) if len(axes) == len(idx) else str(idx)
+        pytest.fail(
+            f"{what}: {len(bad)} of {got.size} values differ; first at {where}: {got[idx]!r} vs {want[idx]!r} "
+            f"(bits {int(g[idx]):#010x} vs {int(w[idx]):#010x})"
+        )
 
 
 def assert_within(got: np.ndarray, ref: np.ndarray, tol: np.ndarray, what: str) -> None:
@@ -152,50 +160,133 @@ def test_matmul_matches_float64_oracle(qtype, n_out, n_in):
     # Per block: 32 products and sums (s), d*s, m*xsum (xsum itself a 31-add sum), one add; then nb block
     # adds. Dense: n_in products and adds. Plus 2u for gguf-py rounding d*q + m to float32 in the oracle.
     n_ops = QK + nb + 8 if qtype in BLOCK_DTYPES else n_in + 2
+    # A nibble-order bug (elements j and j+16 of every block swapped, i.e. high and low nibble exchanged; for
+    # dense weights a layout bug of the same shape): the tolerance must reject it at nearly every output.
+    # (Comparing tol with max|ref| instead is not a property of the bound: for n_in random-sign terms
+    # |ref| ~ magnitude / sqrt(n_in), so that ratio drifts with n_in and the draw.)
+    w64_bug = w64.reshape(n_out, nb, 2, QK // 2)[:, :, ::-1].reshape(n_out, n_in)
     for T in (1, 3, 5):
         x = activations(rng, T, n_in)
         got = run_matmul(mat, x)
         ref = x.astype(np.float64) @ w64.T
         tol = n_ops * U * magnitude(qtype, raw, n_in, x)
-        assert tol.max() < 1e-3 * np.abs(ref).max(), "tolerance too loose to catch anything"
+        caught = np.mean(np.abs(x.astype(np.float64) @ w64_bug.T - ref) > tol)
+        assert caught >= 0.9, f"tolerance too loose: a nibble-order bug passes at {1 - caught:.0%} of outputs"
         assert_within(got, ref, tol, f"{qtype.name} {n_out}x{n_in} T={T}")
 
 
+def fma32_emulated(a, b, c) -> np.ndarray:
+    """Exactly rounded float32 a * b + c (IEEE fusedMultiplyAdd), elementwise in numpy.
+
+    a * b of two float32 is exact in float64 (48 significant bits). The float64 sum p + c is made exact
+    with TwoSum (s + e = p + c), then rounded to odd (if inexact and s is even, step to the neighbour towards
+    e); rounding that to float32 is then correct, since 53 >= 24 + 2 bits (Boldo & Melquiond 2008). A plain
+    float32(float64 fma) would round twice and miss ties (see test_fma32_emulation_is_exactly_rounded).
+    """
+    a, b, c = (np.asarray(v, np.float32).astype(np.float64) for v in (a, b, c))
+    p = a * b
+    s = p + c
+    bb = s - p
+    e = (p - (s - bb)) + (c - bb)
+    fix = (e != 0) & ((s.view(np.int64) & 1) == 0)
+    return np.where(fix, np.nextafter(s, np.where(e > 0, np.inf, -np.inf)), s).astype(np.float32)
+
+
+def exact_fma_f32(a: np.float32, b: np.float32, c: np.float32) -> np.float32:
+    """a * b + c in exact rational arithmetic, rounded once to the nearest float32 (ties to even)."""
+    v = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+    f = np.float32(float(v))  # rounded twice, so at most one float32 ulp off: pick among f and its neighbours
+    cands = [np.nextafter(f, np.float32(-np.inf)), f, np.nextafter(f, np.float32(np.inf))]
+    return min(cands, key=lambda y: (abs(Fraction(float(y)) - v), int(np.float32(y).view(np.uint32)) & 1))
+
+
+def fma_test_triples(rng: np.random.Generator, n: int):
+    """Random float32 (a, b, c): wide exponents, near-cancelling c = -a*b, and a*b within an ulp of half an
+    ulp of c (where rounding p + c to float64 first lands on a float32 tie), plus one hand-made tie."""
+
+    def wide(lo, hi):
+        return (rng.standard_normal(n) * 2.0 ** rng.integers(lo, hi, n)).astype(np.float32)
+
+    a1, b1, c1 = wide(-10, 10), wide(-10, 10), wide(-20, 20)
+    a2, b2 = wide(-5, 5), wide(-5, 5)
+    c2 = (-(a2.astype(np.float64) * b2)).astype(np.float32)
+    c3 = wide(-3, 3)
+    half_ulp = np.spacing(np.abs(c3)).astype(np.float64) / 2
+    a3 = (half_ulp * (1 + 2.0**-23 * rng.integers(-3, 4, n))).astype(np.float32)
+    b3 = (1 + 2.0**-23 * rng.integers(-3, 4, n)).astype(np.float32)
+    # (1 + 2^-23) + 2^-24 (1 - 2^-46): just below a tie, but float64 rounds it onto the tie, which goes up
+    a4, b4, c4 = np.float32(2.0**-24 * (1 + 2.0**-23)), np.float32(1 - 2.0**-23), np.float32(1 + 2.0**-23)
+    a = np.concatenate([a1, a2, a3, [a4]]).astype(np.float32)
+    b = np.concatenate([b1, b2, b3, [b4]]).astype(np.float32)
+    c = np.concatenate([c1, c2, c3, [c4]]).astype(np.float32)
+    return a, b, c
+
+
+def test_fma32_emulation_is_exactly_rounded():
+    a, b, c = fma_test_triples(np.random.default_rng(10), 1000)
+    want = np.array([exact_fma_f32(*t) for t in zip(a, b, c)], np.float32)
+    assert_bytes_equal(fma32_emulated(a, b, c), want, "fma32_emulated vs exact rational a*b+c")
+    double_rounded = (a.astype(np.float64) * b + c).astype(np.float32)
+    assert not np.array_equal(double_rounded.view(np.uint32), want.view(np.uint32)), "no tie cases in the test data"
+
+
+@numba.njit(cache=False)
+def _fma32_elementwise(a, b, c, out):
+    for i in range(a.shape[0]):
+        out[i] = kernels.fma32(a[i], b[i], c[i])
+
+
+def test_kernel_fma32_is_exactly_rounded():
+    """kernels.fma32 (llvm.fma.f32) is one rounding, as its docstring says: equal to the emulation."""
+    a, b, c = fma_test_triples(np.random.default_rng(11), 20000)
+    out = np.full_like(a, np.nan)
+    _fma32_elementwise(a, b, c, out)
+    assert_bytes_equal(out, fma32_emulated(a, b, c), "kernels.fma32 vs exactly rounded fma")
+
+
 def emulate_matmul_f32(qtype: Q, raw: np.ndarray, n_in: int, x: np.ndarray) -> np.ndarray:
-    """The documented summation order of the matmul kernels, in float32 numpy (every op rounded, no FMA)."""
+    """The documented summation order of the matmul kernels in float32 numpy: every + and * rounded (numpy
+    never fuses), every fma exactly rounded (:func:`fma32_emulated`)."""
     f = np.float32
     T = x.shape[0]
-    if qtype not in BLOCK_DTYPES:
+    if qtype not in BLOCK_DTYPES:  # dense: acc = acc + w[r, k] * x[t, k], k left to right, from +0
         w = gguf_dequantize(raw, qtype)  # exact float32 values of F32/F16/BF16 weights
         acc = np.zeros((T, w.shape[0]), f)
-        for k in range(n_in):  # acc += w[r, k] * x[t, k], k left to right
+        for k in range(n_in):
             acc = acc + w[None, :, k] * x[:, k, None]
         return acc
     codes, d, m = (a.astype(f) for a in block_fields(qtype, raw, n_in))  # all exact in float32
-    xb = x.reshape(T, -1, QK)
-    s = np.zeros((T,) + codes.shape[:2], f)  # [T, n_out, nb]
-    xs = np.zeros(xb.shape[:2], f)  # [T, nb]
-    for j in range(QK):  # both sums left to right over the block's 32 elements
-        s = s + codes[None, :, :, j] * xb[:, None, :, j]
-        xs = xs + xb[:, :, j]
+    xb = x.reshape(T, -1, QK)  # [T, nb, 32]
+    # per block: four partial sums over elements 8k .. 8k+7 in increasing order, c_k = fma(q, x, c_k) from +0
+    c = [np.zeros((T,) + codes.shape[:2], f) for _ in range(4)]  # [T, n_out, nb] each
+    for k in range(4):
+        for e in range(8 * k, 8 * k + 8):
+            c[k] = fma32_emulated(codes[None, :, :, e], xb[:, None, :, e], c[k])
+    s = (c[0] + c[1]) + (c[2] + c[3])
     acc = np.zeros((T, codes.shape[0]), f)
-    for b in range(codes.shape[1]):  # blocks left to right
-        term = d[None, :, b] * s[:, :, b]
-        if qtype != Q.Q8_0:
-            term = term + m[None, :, b] * xs[:, b, None]
-        acc = acc + term
+    if qtype == Q.Q8_0:
+        for b in range(codes.shape[1]):  # blocks left to right: acc = fma(d, s, acc)
+            acc = fma32_emulated(d[None, :, b], s[:, :, b], acc)
+        return acc
+    xsum = np.zeros(xb.shape[:2], f)  # block_sums: left to right over the block's 32 elements
+    for j in range(QK):
+        xsum = xsum + xb[:, :, j]
+    for b in range(codes.shape[1]):  # blocks left to right: acc = acc + fma(d, s, m * xsum)
+        acc = acc + fma32_emulated(d[None, :, b], s[:, :, b], m[None, :, b] * xsum[:, b, None])
     return acc
 
 
+@pytest.mark.parametrize("T", [1, 2, 3, 5], ids=lambda t: f"T{t}")  # decode; one pair; pair + odd; 2 pairs + odd
 @pytest.mark.parametrize("qtype", MATRIX_TYPES, ids=lambda t: t.name)
-def test_matmul_follows_documented_summation_order(qtype):
+def test_matmul_follows_documented_summation_order(qtype, T):
     """Bitwise equal to a float32 emulation of the order in the kernels' docstrings (part of the spec)."""
-    n_out, n_in = 3 * R + 5, 576
-    rng = np.random.default_rng(int(qtype) + 100)
+    n_out, n_in = 3 * R + 5, 576  # a ragged last row group
+    rng = np.random.default_rng([int(qtype) + 100, T])
     raw = random_matrix(qtype, n_out, n_in, rng)
-    x = activations(rng, 3, n_in)
+    x = activations(rng, T, n_in)
     got = run_matmul(QMatrix.from_raw("w", qtype, raw, n_in), x)
-    assert_bytes_equal(got, emulate_matmul_f32(qtype, raw, n_in, x), f"{qtype.name} vs documented order")
+    want = emulate_matmul_f32(qtype, raw, n_in, x)
+    assert_bytes_equal(got, want, f"{qtype.name} T={T} vs documented order", axes=("token", "row"))
 
 
 @pytest.mark.parametrize("qtype", MATRIX_TYPES, ids=lambda t: t.name)
@@ -206,7 +297,7 @@ def test_matmul_chunk_equals_one_token_calls(qtype):
     x = activations(rng, 5, n_in)
     chunk = run_matmul(mat, x)
     singles = np.concatenate([run_matmul(mat, x[t : t + 1].copy()) for t in range(5)])
-    assert_bytes_equal(chunk, singles, f"{qtype.name} T=5 chunk vs 5 one-token calls")
+    assert_bytes_equal(chunk, singles, f"{qtype.name} T=5 chunk vs 5 one-token calls", axes=("token", "row"))
 
 
 @pytest.mark.parametrize("qtype", MATRIX_TYPES, ids=lambda t: t.name)
@@ -220,7 +311,7 @@ def test_matmul_same_bytes_at_one_and_two_threads(qtype, restore_threads):
     one = run_matmul(mat, x)
     numba.set_num_threads(2)
     two = run_matmul(mat, x)
-    assert_bytes_equal(two, one, f"{qtype.name} 2 threads vs 1")
+    assert_bytes_equal(two, one, f"{qtype.name} 2 threads vs 1", axes=("token", "row"))
 
 
 # ---- block sums, rmsnorm, swiglu, add -----------------------------------------------------------------
