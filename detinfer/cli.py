@@ -29,6 +29,8 @@ ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Registry
 CtxOpt = Annotated[int, typer.Option("--ctx", help="KV cache positions (n_ctx), at most the model's context length.")]
 KvOpt = Annotated[str, typer.Option("--kv-type", help="KV cache type: f32 or f16. Quantized types are rejected.")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", help="Threads (default: all cores). Never changes a result.")]
+CacheBytesOpt = Annotated[int, typer.Option("--cache-bytes", help="Byte budget of the in-memory prefix cache (LRU).")]
+DEFAULT_CACHE_BYTES = 1 << 30
 
 
 def _fail(e: DetinferError) -> None:
@@ -266,7 +268,7 @@ def selftest(
     else:
         table = Table("invariance", "result", "max |Δlogit|", "first divergent", "note", title="determinism matrix")
         for r in rows:
-            style = "green" if r.result in ("identical", "detected") else "dim" if r.result == "n/a" else "red"
+            style = "green" if r.result in ("identical", "detected") else "red"
             table.add_row(r.invariance, f"[{style}]{r.result}[/]", "" if r.max_abs_delta is None else f"{r.max_abs_delta:.3g}",
                           "" if r.first_divergent is None else str(r.first_divergent), escape(r.note))
         out.print(table)
@@ -302,11 +304,13 @@ def session_run(
     ctx: CtxOpt = 4096,
     kv_type: KvOpt = "f32",
     threads: ThreadsOpt = None,
+    cache_bytes: CacheBytesOpt = DEFAULT_CACHE_BYTES,
     quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
 ) -> None:
     """Run a scripted multi-turn session and record it (written after every turn)."""
     from .engine import Engine, set_threads
     from .kvcache import parse_kv_type
+    from .prefix_cache import PrefixCache
     from .session import load_script, run_session
 
     try:
@@ -315,6 +319,7 @@ def session_run(
         sc = load_script(script)
         engine = Engine.load(model or sc.model, n_ctx=ctx, kv_type=kv_type)
         run_session(engine, sc.turns, sc.sampling, out=out_path, kv_dir=kv_dir, on_step=_stream(quiet),
+                    prefix_cache=PrefixCache(cache_bytes),
                     on_turn=lambda i, rec: (None if quiet else sys.stdout.write("\n"), _turn_line(i, rec)))
     except DetinferError as e:
         _fail(e)
@@ -332,12 +337,14 @@ def replay(
     until: Annotated[Optional[int], typer.Option("--until", help="Replay only the first N turns.")] = None,
     then: Annotated[Optional[Path], typer.Option("--then", help="After --until, continue with this script's turns.")] = None,
     out_path: Annotated[Optional[Path], typer.Option("--out", "-o", help="Where --then writes the new session.")] = None,
+    cache_bytes: CacheBytesOpt = DEFAULT_CACHE_BYTES,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Re-execute every turn of a recorded session; exit 0 all match, 1 any mismatch, 2 bad input."""
     import json as _json
 
     from .engine import Engine, set_threads
+    from .prefix_cache import PrefixCache
     from .session import load_script, load_session, replay_turns, run_session
 
     try:
@@ -352,11 +359,11 @@ def replay(
         if then is not None:
             sc = load_script(then)
             prior = record.model_copy(update={"turns": record.turns[:until]})
-            run_session(engine, sc.turns, sc.sampling, prior=prior, out=out_path, on_turn=_turn_line)
+            run_session(engine, sc.turns, sc.sampling, prior=prior, out=out_path, on_turn=_turn_line, prefix_cache=PrefixCache(cache_bytes))
             err.print(f"replayed {until} turn(s) exactly, then ran {len(sc.turns)} new turn(s)"
                       + (f"; session: {escape(str(out_path))}" if out_path else ""))
             return
-        results = replay_turns(engine, record, use_cache=not no_cache, kv_dir=kv_dir, until=until,
+        results = replay_turns(engine, record, use_cache=not no_cache, kv_dir=kv_dir, until=until, prefix_cache=PrefixCache(cache_bytes),
                                warn=lambda msg: err.print(f"[yellow]warning:[/] {escape(msg)}"))
     except DetinferError as e:
         _fail(e)

@@ -23,6 +23,7 @@ from .fileio import atomic_write_text
 from .generate import GenerationResult, Step, check_prompt, generate
 from .kvcache import KVCache
 from .manifest import EngineRecord, ModelRecord, canonical_json
+from .prefix_cache import PrefixCache
 from .run import model_record, versions
 from .sampler import SamplingParams
 
@@ -176,11 +177,13 @@ def run_turn(
     appended: list[int] | None = None,
     note: str | None = None,
     on_step: Callable[[Step], None] | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> TurnRecord:
     """Append ``messages`` (or the recorded ``appended`` token ids, when replaying) and generate one turn.
 
-    The cache is reused for whatever prefix it holds. Raises InputError naming the token counts if the turn
-    would overflow n_ctx.
+    The cache is reused for whatever prefix it holds; with ``prefix_cache``, a longer cached prefix (from another
+    conversation or an earlier branch) is restored first, and the turn's final cache is stored there. Reuse is
+    exact either way. Raises InputError naming the token counts if the turn would overflow n_ctx.
     """
     if appended is None:
         appended, note = conv.append_messages(messages)
@@ -191,6 +194,11 @@ def run_turn(
             f"but the context holds {engine.n_ctx}; raise --ctx"
         )
     check_prompt(engine, prompt)
+    if prefix_cache is not None:
+        k, snap = prefix_cache.lookup(prompt, limit=len(prompt) - 1)
+        held = next((i for i, (a, b) in enumerate(zip(cache.tokens, prompt)) if a != b), min(cache.n_tokens, len(prompt)))
+        if snap is not None and k > held:
+            cache.restore(snap, k)
     res = GenerationResult()
     t0 = time.perf_counter()
     for step in generate(engine, prompt, _params(sampling), max_tokens=sampling["max_tokens"], stop=sampling["stop"], cache=cache, result=res):
@@ -210,6 +218,8 @@ def run_turn(
         seconds=round(time.perf_counter() - t0, 4),
     )
     conv.add_turn(messages, appended, res.tokens, res.text)
+    if prefix_cache is not None:
+        prefix_cache.store(cache)
     return record
 
 
@@ -259,6 +269,7 @@ def run_session(
     kv_dir: str | Path | None = None,
     on_step: Callable[[Step], None] | None = None,
     on_turn: Callable[[int, TurnRecord], None] | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> SessionRecord:
     """Run scripted turns (after replaying ``prior``'s turns exactly, for branching) and record them.
 
@@ -271,14 +282,15 @@ def run_session(
     if prior is not None:
         for i, turn in enumerate(prior.turns):
             rec = run_turn(engine, conv, cache, [m.model_dump() for m in turn.messages], turn.sampling,
-                           appended=turn.appended_token_ids, note=turn.template_note)
+                           appended=turn.appended_token_ids, note=turn.template_note, prefix_cache=prefix_cache)
             if compare_turn(turn, rec):
                 raise ManifestError(f"turn {i + 1} of the recorded session does not replay exactly; cannot branch from it")
             records.append(turn)
     for turn in turns:
         sampling = effective_sampling(default_sampling, turn.sampling)
         try:
-            rec = run_turn(engine, conv, cache, [m.model_dump() for m in turn.messages], sampling, on_step=on_step)
+            rec = run_turn(engine, conv, cache, [m.model_dump() for m in turn.messages], sampling, on_step=on_step,
+                           prefix_cache=prefix_cache)
         except InputError as e:
             if out is not None:
                 write_session(new_record(engine, records), out)
@@ -310,11 +322,13 @@ def replay_turns(
     kv_dir: str | Path | None = None,
     until: int | None = None,
     warn: Callable[[str], None] | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> list[tuple[TurnRecord, list[str], int | None]]:
     """Re-execute recorded turns: for each, (actual turn, differing fields, first divergent step).
 
-    ``use_cache`` False recomputes every prefix from scratch; ``kv_dir`` restores each turn's prefix from the
-    snapshot saved after the previous turn (a bad snapshot is a cache miss: recompute, warn).
+    ``use_cache`` False recomputes every prefix from scratch (and ignores ``prefix_cache``); ``kv_dir`` restores
+    each turn's prefix from the snapshot saved after the previous turn (a bad snapshot is a cache miss: recompute,
+    warn).
     """
     if record.model.sha256 != engine.model_file.sha256:
         raise ManifestError(
@@ -330,7 +344,8 @@ def replay_turns(
         elif kv_dir is not None and i > 0:
             cache = _restore_snapshot(engine, Path(kv_dir) / f"turn-{i:03d}.detkv", warn) or cache
         actual = run_turn(engine, conv, cache, [m.model_dump() for m in turn.messages], turn.sampling,
-                          appended=turn.appended_token_ids, note=turn.template_note)
+                          appended=turn.appended_token_ids, note=turn.template_note,
+                          prefix_cache=prefix_cache if use_cache else None)
         diffs = compare_turn(turn, actual)
         ed, ad = turn.logits_digests, actual.logits_digests
         step = next((k for k in range(max(len(ed), len(ad))) if k >= len(ed) or k >= len(ad) or ed[k] != ad[k]), None)

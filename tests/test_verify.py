@@ -395,7 +395,7 @@ def test_selftest_matrix_in_process(engine: Engine, model_path: Path):
     assert len(results) == len(rows) == 8
     control = results.pop("negative control: reassociated RMSNorm must differ")
     assert control.result == "detected" and control.max_abs_delta is not None and control.max_abs_delta > 0, control
-    assert results.pop("KV saved and restored vs never saved").result == "n/a"
+    assert results.pop("KV saved to a .detkv file and restored vs never saved").result == "identical"
     for name in ("prefill chunk 1 vs whole prompt", "prefill chunk 7 vs whole prompt", f"threads 1 vs {numba.config.NUMBA_NUM_THREADS} (same process)"):
         assert name in results
     for r in results.values():
