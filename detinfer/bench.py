@@ -1,4 +1,5 @@
-"""Benchmarks (``make bench``): prefill and decode throughput at 1 and 2 threads, peak RSS, warm start.
+"""Benchmarks (``make bench``): prefill and decode throughput at 1 and 2 threads, peak RSS, warm start,
+the 20-turn session with prefix reuse vs recomputation, and KV snapshot save/load.
 
 Each thread count runs in its own process (numba's thread pool is per process, and peak RSS is per process).
 Every figure is the median of ``--repeats`` runs with min and max. Results go to ``bench/results.json``.
@@ -70,6 +71,44 @@ def worker(model: str | None, threads: int, repeats: int) -> dict:
     return results
 
 
+def session_bench(model: str | None, threads: int) -> dict:
+    """The 20-turn scripted session (tests/data/agent20.json) with prefix reuse vs recomputing every prefix, and
+    KV snapshot save/load time and size per 1,000 tokens."""
+    import tempfile
+
+    from .engine import Engine, set_threads
+    from .kvfile import load_kv, save_kv
+    from .prefix_cache import PrefixCache
+    from .session import load_script, replay_turns, run_session
+
+    set_threads(threads)
+    script = load_script(Path(__file__).resolve().parent.parent / "tests" / "data" / "agent20.json")
+    engine = Engine.load(model or script.model, n_ctx=2048)
+    t0 = time.perf_counter()
+    record = run_session(engine, script.turns, script.sampling, prefix_cache=PrefixCache(1 << 30))
+    cached_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    replayed = replay_turns(engine, record, use_cache=False)
+    naive_s = time.perf_counter() - t0
+    assert all(not diffs for _, diffs, _ in replayed), "the no-cache replay must give the same bytes"
+    cache = engine.new_cache()
+    text = " ".join(f"line {i} of the snapshot benchmark text." for i in range(200))
+    engine.forward(engine.tokenizer.encode(text)[:1000], cache)
+    result = {"turns": len(record.turns), "history_tokens": sum(len(t.appended_token_ids) + len(t.generated_token_ids) for t in record.turns),
+              "with_reuse_s": round(cached_s, 2), "no_cache_s": round(naive_s, 2), "speedup": round(naive_s / cached_s, 2)}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "bench.detkv"
+        t0 = time.perf_counter()
+        size = save_kv(path, cache, model_sha256=engine.model_file.sha256, tokenizer_sha256=engine.tokenizer.hash)
+        save_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        load_kv(path, model_sha256=engine.model_file.sha256)
+        load_s = time.perf_counter() - t0
+    result.update({"snapshot_tokens": cache.n_tokens, "snapshot_bytes": size, "snapshot_save_ms": round(save_s * 1e3, 1),
+                   "snapshot_load_ms": round(load_s * 1e3, 1)})
+    return result
+
+
 def warm_start(model: str | None, repeats: int) -> dict[str, float]:
     """Seconds from process start to the end of a one-token `detinfer run` (JIT cache warm)."""
     cmd = [sys.executable, "-m", "detinfer.cli", "run", "--prompt", "Hello", "--max-tokens", "1", "--quiet"]
@@ -86,7 +125,7 @@ def warm_start(model: str | None, repeats: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("mode", nargs="?", default="suite", choices=["suite", "worker"])
+    ap.add_argument("mode", nargs="?", default="suite", choices=["suite", "worker", "session"])
     ap.add_argument("--model", default=None)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
@@ -94,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.mode == "worker":
         print(json.dumps(worker(args.model, args.threads, args.repeats)))
+        return 0
+    if args.mode == "session":
+        print(json.dumps(session_bench(args.model, args.threads)))
         return 0
     runs = []
     for threads in (1, 2):
@@ -107,12 +149,20 @@ def main(argv: list[str] | None = None) -> int:
             return proc.returncode
         runs.append(json.loads(proc.stdout))
         print(json.dumps(runs[-1]), flush=True)
+    proc = subprocess.run([sys.executable, "-m", "detinfer.bench", "session", "--threads", "2"] + (["--model", args.model] if args.model else []),
+                          capture_output=True, text=True, env=dict(os.environ, NUMBA_NUM_THREADS="2"))
+    if proc.returncode != 0:
+        print(proc.stderr, file=sys.stderr)
+        return proc.returncode
+    session = json.loads(proc.stdout)
+    print(json.dumps(session), flush=True)
     report = {
         "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version()},
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "model": args.model or "smollm2-135m-instruct-q4_1",
         "n_ctx": N_CTX,
         "runs": runs,
+        "session_20_turns": session,
         "warm_start_to_first_token_s": warm_start(args.model, args.repeats),
     }
     atomic_write_text(args.out, canonical_json(report))
