@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
 from contextlib import contextmanager
@@ -11,23 +12,12 @@ from typing import BinaryIO, Iterator
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically: temp file in the same folder, fsync, rename.
+    """Write ``data`` to ``path`` atomically (see :func:`atomic_writer`).
 
     A reader sees either the old file or the complete new one, never a partial write.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp creates 0600; give the file the mode open() would
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_writer(path) as f:
+        f.write(data)
 
 
 @contextmanager
@@ -41,7 +31,7 @@ def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, 0o666 & ~_umask())
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp creates 0600; give the file the mode open() would
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
@@ -50,10 +40,22 @@ def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
-def _fsync_dir(folder: Path) -> None:
+def read_json(path: str | os.PathLike, error: type[Exception], what: str):
+    """Parse a JSON file; an unreadable or non-JSON file raises ``error`` with one line naming it as ``what``."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise error(f"cannot read {what} {path}: {e.strerror or e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"{path} is not a JSON {what} ({e}); it may be truncated") from None
+
+
+def fsync_dir(folder: Path) -> None:
+    """fsync a folder so a rename inside it survives a crash (a no-op where folders cannot be opened)."""
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:

@@ -19,7 +19,6 @@ from pydantic import BaseModel, ConfigDict
 
 from .engine import Engine
 from .errors import DetinferError
-from .fileio import atomic_write_text
 from .manifest import RunManifest, canonical_json, load_manifest, write_manifest
 from .run import build_prompt, execute, sampling_record
 from .sampler import SamplingParams

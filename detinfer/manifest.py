@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import KVTypeError, ManifestError
-from .fileio import atomic_write_text
+from .fileio import atomic_write_text, read_json
 from .kvcache import KV_QUANT_REASON, QUANTIZED_KV_TYPES
 
 SCHEMA_VERSION = 1
@@ -149,12 +149,7 @@ def load_manifest(path: str | Path) -> RunManifest:
     schema-invalid, or edited after it was written (naming the section whose hash no longer matches).
     """
     path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ManifestError(f"cannot read manifest {path}: {e.strerror or e}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ManifestError(f"{path} is not a JSON manifest ({e}); it may be truncated") from None
+    data = read_json(path, ManifestError, "manifest")
     if not isinstance(data, dict):
         raise ManifestError(f"{path} is not a manifest: expected a JSON object")
     version = data.get("schema_version")

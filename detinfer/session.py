@@ -10,16 +10,15 @@ record says so in ``template_note``.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .engine import Engine
 from .errors import InputError, ManifestError
-from .fileio import atomic_write_text
+from .fileio import atomic_write_text, read_json
 from .generate import GenerationResult, Step, check_prompt, generate
 from .kvcache import KVCache
 from .manifest import EngineRecord, ModelRecord, canonical_json
@@ -110,12 +109,7 @@ def _params(sampling: dict[str, Any]) -> SamplingParams:
 def load_script(path: str | Path) -> SessionScript:
     """Read a session script; raises InputError (one line) for unreadable, non-JSON or invalid scripts."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise InputError(f"cannot read session script {path}: {e.strerror or e}") from None
-    except ValueError as e:
-        raise InputError(f"{path} is not JSON ({e})") from None
+    data = read_json(path, InputError, "session script")
     try:
         script = SessionScript.model_validate(data)
     except ValidationError as e:
@@ -244,12 +238,7 @@ def write_session(record: SessionRecord, path: str | Path) -> None:
 def load_session(path: str | Path) -> SessionRecord:
     """Read a session record; ManifestError (one line) if unreadable, not JSON, another schema or invalid."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ManifestError(f"cannot read session {path}: {e.strerror or e}") from None
-    except ValueError as e:
-        raise ManifestError(f"{path} is not a JSON session record ({e})") from None
+    data = read_json(path, ManifestError, "session record")
     if not isinstance(data, dict) or data.get("schema_version") != SESSION_SCHEMA_VERSION:
         raise ManifestError(f"{path}: session schema_version {data.get('schema_version') if isinstance(data, dict) else None!r} is not {SESSION_SCHEMA_VERSION}")
     try:

@@ -13,23 +13,17 @@ from pathlib import Path
 
 import pytest
 from gguf_factory import CHATML, TinyConfig, layout, write_tiny_gguf
-from typer.testing import CliRunner
+from cli_helpers import cli
 
-from detinfer.cli import app
 from detinfer.kvcache import KV_QUANT_REASON, QUANTIZED_KV_TYPES
 from detinfer.manifest import SCHEMA_VERSION, RunManifest, write_manifest
 
-runner = CliRunner()
 
 
 @pytest.fixture(scope="session")
 def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An empty $DETINFER_HOME: no registry model is visible, GGUF indexes land here."""
     return tmp_path_factory.mktemp("detinfer-home")
-
-
-def cli(home: Path, *args):
-    return runner.invoke(app, [str(a) for a in args], env={"DETINFER_HOME": str(home), "COLUMNS": "200"})
 
 
 def assert_input_error(result, *needles: str, exit_code: int = 2) -> str:

@@ -15,27 +15,21 @@ from pathlib import Path
 
 import pytest
 from gguf_factory import CHATML, write_tiny_gguf
-from typer.testing import CliRunner
+from cli_helpers import cli
 
-from detinfer.cli import app
-from detinfer.manifest import SCHEMA_VERSION, RunManifest, load_manifest, tokens_sha256, write_manifest
+from detinfer.manifest import SCHEMA_VERSION, load_manifest, tokens_sha256, write_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "The capital of France is"
 PROMPT_IDS = [504, 3575, 282, 4649, 314]  # llama.cpp's tokenization (shared/reference)
 QUESTION = "What is the capital of France?"
 
-runner = CliRunner()
 
 
 @pytest.fixture(scope="session")
 def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An empty $DETINFER_HOME: no registry model is visible, GGUF indexes land here."""
     return tmp_path_factory.mktemp("detinfer-home")
-
-
-def cli(home: Path, *args):
-    return runner.invoke(app, [str(a) for a in args], env={"DETINFER_HOME": str(home), "COLUMNS": "200"})
 
 
 def ok(result) -> None:

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from detinfer.cli import app
 from detinfer.engine import Engine, set_threads
-from detinfer.session import load_script, load_session, replay_turns, run_session
+from detinfer.session import load_session, replay_turns
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "data" / "agent20.json"
