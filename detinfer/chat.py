@@ -8,15 +8,17 @@ the clock (templates that use it check ``strftime_now is defined`` and fall back
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, NoReturn
 
 import jinja2
 import jinja2.ext
 from jinja2.exceptions import SecurityError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import MAX_RANGE, ImmutableSandboxedEnvironment
 
 from .errors import InputError, TemplateError
 from .fileio import sha256_bytes
@@ -37,18 +39,134 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separ
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+# Render limits. A template is code from the model file: these stop one that loops (nearly) forever or builds
+# huge strings. They count operations, never time, so a template renders or fails the same way on any machine.
+MAX_RENDER_CHARS = 16 * 1024 * 1024  # rendered text, and any one string or list a template builds or passes
+MAX_RENDER_STEPS = 2_000_000  # attribute/item lookups, calls, filters, operators and range() elements
+
+
+class _Budget:
+    """Operations left for one render (one per render: renders in other threads keep their own)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def step(self, n: int = 1) -> None:
+        self.steps += n
+        if self.steps > MAX_RENDER_STEPS:
+            raise TemplateError(
+                f"chat template stopped: it ran more than {MAX_RENDER_STEPS:,} operations (a loop that does not end?)"
+            )
+
+
+_budget: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("detinfer_template_budget", default=None)
+
+
+def _spend(n: int = 1) -> None:
+    budget = _budget.get()
+    if budget is not None:
+        budget.step(n)
+
+
+def _checked(value: Any, what: str) -> Any:
+    """``value`` unless it is a string, list or int too large for a chat prompt (TemplateError naming ``what``)."""
+    if isinstance(value, (str, bytes, list, tuple)) and len(value) > MAX_RENDER_CHARS:
+        raise TemplateError(f"chat template stopped: {what} made a value of length {len(value):,} (limit {MAX_RENDER_CHARS:,})")
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_RENDER_CHARS:
+        raise TemplateError(f"chat template stopped: {what} used the number {value} (limit {MAX_RENDER_CHARS:,})")
+    return value
+
+
+class _CountedRange:
+    """The template's ``range``: a range of at most MAX_RANGE items (as jinja's sandbox allows), each item
+    counted against the render budget as it is iterated."""
+
+    def __init__(self, *args: int):
+        for a in args:
+            _checked(a, "range()")
+        self._r = range(*args)
+        if len(self._r) > MAX_RANGE:
+            raise TemplateError(f"chat template stopped: range() of {len(self._r):,} items (limit {MAX_RANGE:,})")
+
+    def __iter__(self) -> Any:
+        for i in self._r:
+            _spend()
+            yield i
+
+    def __reversed__(self) -> Any:
+        for i in reversed(self._r):
+            _spend()
+            yield i
+
+    def __len__(self) -> int:
+        return len(self._r)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._r[i]
+
+    def __contains__(self, x: Any) -> bool:
+        return x in self._r
+
+
+def _limited_filter(f: Any) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        _spend()
+        for a in (*args[1:], *kwargs.values()):
+            _checked(a, "a filter argument")
+        return _checked(f(*args, **kwargs), "a filter")
+
+    for attr in ("jinja_pass_arg",):  # pass_context / pass_environment markers must survive the wrapping
+        if hasattr(f, attr):
+            setattr(wrapper, attr, getattr(f, attr))
+    return wrapper
+
+
 class _Sandbox(ImmutableSandboxedEnvironment):
     """The immutable sandbox, except that an unsafe attribute access fails at once instead of rendering
-    as an empty string, so a template probing ``__class__`` & co. is reported, not silently half-run."""
+    as an empty string, so a template probing ``__class__`` & co. is reported, not silently half-run.
+
+    Every lookup, call, filter and arithmetic operator is counted and its result size checked (see the limits above).
+    """
+
+    intercepted_binops = frozenset({"+", "*", "**", "%", "//", "/", "-"})
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> NoReturn:
         raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        _spend()
+        return _checked(super().getattr(obj, attribute), "an attribute")
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        _spend()
+        return _checked(super().getitem(obj, argument), "an item")
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 (jinja's signature)
+        _spend()
+        for a in (*args, *kwargs.values()):
+            _checked(a, "a call argument")
+        owner = getattr(getattr(__obj, "__wrapped__", __obj), "__self__", None)  # the sandbox wraps str.format
+        if isinstance(owner, str) and getattr(__obj, "__name__", "") in ("format", "format_map") and re.search(r"\d{8}", owner):
+            raise TemplateError("chat template stopped: a format string asks for a width of 8 or more digits")
+        return _checked(super().call(__context, __obj, *args, **kwargs), "a call")
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        _spend()
+        if operator == "**" and isinstance(right, int) and abs(right) > 64 and not isinstance(left, float):
+            raise TemplateError(f"chat template stopped: exponent {right} is too large")
+        if operator == "*" and isinstance(left, (str, list, tuple)) and isinstance(right, int):
+            _checked(len(left) * right, "'*'")
+        if operator == "*" and isinstance(right, (str, list, tuple)) and isinstance(left, int):
+            _checked(len(right) * left, "'*'")
+        return _checked(super().call_binop(context, operator, left, right), f"{operator!r}")
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
     env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
+    env.filters = {name: _limited_filter(f) for name, f in env.filters.items()}
     env.globals["raise_exception"] = _raise_exception
+    env.globals["range"] = _CountedRange
     return env
 
 
@@ -131,14 +249,25 @@ class ChatTemplate:
         template (undefined attribute, sandbox violation, ``raise_exception``, type error...).
         """
         validate_messages(messages)
+        token = _budget.set(_Budget())
         try:
-            return self._template.render(
+            parts, n = [], 0
+            for part in self._template.generate(
                 messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos_token,
                 eos_token=eos_token, tools=tools,
-            )  # fmt: skip
+            ):  # fmt: skip
+                n += len(part)
+                if n > MAX_RENDER_CHARS:
+                    raise TemplateError(f"chat template stopped: the rendered prompt passed {MAX_RENDER_CHARS:,} characters")
+                parts.append(part)
+            return "".join(parts)
         except TemplateError:
             raise
+        except (RecursionError, MemoryError) as e:
+            raise TemplateError(f"chat template failed: {type(e).__name__}: it recursed too deep or used too much memory") from None
         except jinja2.TemplateError as e:  # includes SecurityError and UndefinedError
             raise TemplateError(f"chat template failed: {type(e).__name__}: {_one_line(e)}") from None
         except Exception as e:  # a template can raise anything Python can (TypeError, ZeroDivisionError...)
             raise TemplateError(f"chat template failed: {type(e).__name__}: {_one_line(e)}") from None
+        finally:
+            _budget.reset(token)

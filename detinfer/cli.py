@@ -443,6 +443,40 @@ def kv_inspect(path: Annotated[Path, typer.Argument(help=".detkv file")]) -> Non
     out.print(table)
 
 
+@app.command()
+def serve(
+    model: ModelOpt = None,
+    port: Annotated[int, typer.Option("--port", help="TCP port.")] = 8080,
+    host: Annotated[str, typer.Option("--host", help="Bind address (default loopback only).")] = "127.0.0.1",
+    max_queue: Annotated[int, typer.Option("--max-queue", min=1, help="Requests admitted at once; more get 429.")] = 8,
+    max_inflight: Annotated[int, typer.Option("--max-inflight", min=1, help="Requests preparing (template, tokenize) at once.")] = 4,
+    ctx: CtxOpt = 4096,
+    kv_type: KvOpt = "f32",
+    threads: ThreadsOpt = None,
+    cache_bytes: CacheBytesOpt = DEFAULT_CACHE_BYTES,
+    record_dir: Annotated[Optional[Path], typer.Option("--record", help="Record every request into session files in this directory.")] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="DETINFER_API_KEY", show_envvar=True,
+                                                   help="Require Authorization: Bearer KEY on every request.")] = None,
+) -> None:
+    """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
+    import uvicorn
+
+    from .engine import Engine, set_threads
+    from .server import ServerSettings, create_app
+
+    try:
+        set_threads(threads)  # validate here; the decode worker sets it again on its own thread
+        engine = Engine.load(model, n_ctx=ctx, kv_type=kv_type)
+        settings = ServerSettings(max_queue=max_queue, max_inflight=max_inflight, threads=threads, cache_bytes=cache_bytes,
+                                  record_dir=record_dir, api_key=api_key or None)
+        app_ = create_app(engine, settings)
+    except DetinferError as e:
+        _fail(e)
+    err.print(f"serving {escape(str(engine.model_file.path.name))} on http://{host}:{port}/v1"
+              + (" (API key required)" if api_key else ""))
+    uvicorn.run(app_, host=host, port=port, log_level="info")
+
+
 def _summary(m, out_path: Optional[Path]) -> None:
     t = m.informative.timings
     err.print(

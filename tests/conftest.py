@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from detinfer.registry import DEFAULT_MODEL, ensure_model
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+# CI and every developer have shared/ beside the repo; DETINFER_SHARED points elsewhere (e.g. a clone in /tmp).
+SHARED = Path(os.environ.get("DETINFER_SHARED") or Path(__file__).resolve().parents[2] / "shared")
 REFERENCE_DIR = SHARED / "reference"
 
 

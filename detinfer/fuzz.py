@@ -1,0 +1,726 @@
+"""Offline fuzzing of every input detinfer reads: ``python -m detinfer.fuzz --examples N --report docs/reliability.md``.
+
+The contract under test: any input ends in a correct result or a typed ``DetinferError`` with a one-line message,
+never another exception and never a crash. Inputs are valid files written by detinfer itself (a tiny synthetic
+GGUF model from tests/gguf_factory.py, a run manifest, a session script and record, a .detkv snapshot), then
+mutated by hypothesis strategies: truncation at section boundaries and anywhere, bit flips, huge counts and
+lengths, moved tensor offsets and dims, JSON edits and type changes, random chat templates.
+
+Each target runs in a worker process with ``NUMBA_BOUNDSCHECK=1`` (and its own numba cache), so a shape that would
+make a kernel read out of bounds shows up as an ``IndexError`` ("other exception") instead of silently reading
+garbage, and a worker that dies is counted as a crash and restarted with the next seed. tests/test_fuzz.py runs
+the same targets in-process with a few hundred examples each.
+
+This is a developer tool: it needs the dev extra (hypothesis) and the repository's tests/ folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import random
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import DetinferError
+
+TESTS_DIR = Path(__file__).resolve().parents[1] / "tests"
+OK, REJECTED, BAD_MESSAGE, OTHER, CRASH = "ok", "DetinferError", "DetinferError, not one line", "other exception", "crash"
+OUTCOMES = (OK, REJECTED, BAD_MESSAGE, OTHER, CRASH)
+
+
+def classify(fn: Callable[[], Any]) -> tuple[str, str]:
+    """Run ``fn``: (outcome, detail). A DetinferError must carry a non-empty one-line message."""
+    try:
+        fn()
+    except DetinferError as e:
+        msg = str(e)
+        if not msg.strip() or "\n" in msg or "\r" in msg:
+            return BAD_MESSAGE, f"{type(e).__name__}: {msg!r}"
+        return REJECTED, f"{type(e).__name__}: {msg[:200]}"
+    except Exception as e:  # the thing we hunt for
+        return OTHER, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+    return OK, ""
+
+
+# ------------------------------------------------------------------------------------------ corpus (valid inputs)
+
+
+def _factory():
+    if str(TESTS_DIR) not in sys.path:
+        sys.path.insert(0, str(TESTS_DIR))
+    import gguf_factory
+
+    return gguf_factory
+
+
+@dataclass
+class Corpus:
+    """Valid inputs written once into ``folder``; every mutation starts from one of them."""
+
+    folder: Path
+    gguf: dict[str, bytes] = field(default_factory=dict)  # variant name -> file bytes
+    gguf_fields: dict[str, "GGUFFields"] = field(default_factory=dict)
+    manifest: dict = field(default_factory=dict)
+    session: dict = field(default_factory=dict)
+    script: dict = field(default_factory=dict)
+    detkv: bytes = b""
+
+
+def gguf_variants(folder: Path) -> dict[str, Path]:
+    """Structurally different tiny models: valid ones (several tensor types), and ones whose metadata or shapes
+    are wrong for the llama architecture (types changed, huge or zero values, wrong alignment, wrong dims)."""
+    f = _factory()
+    from gguf import GGUFValueType as V
+
+    cfg = f.TinyConfig(n_embd=64, n_layer=1, n_head=4, n_head_kv=2, n_ff=64)
+    out: dict[str, Path] = {}
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def w(name: str, **kw: Any) -> None:
+        kw.setdefault("config", cfg)
+        out[name] = f.write_tiny_gguf(folder / f"{name}.gguf", chat_template=f.CHATML, **kw)
+
+    w("valid-f32")
+    w("valid-q4_1", matrix_type="Q4_1")
+    w("valid-q8_0-untied", matrix_type="Q8_0", tied=False)
+    w("valid-mixed", matrix_type="Q4_0", types={"token_embd.weight": "F16", "blk.0.ffn_down.weight": "Q8_0"})
+    w("unsupported-type", matrix_type="Q4_1", types={"blk.0.attn_q.weight": "Q5_0"})
+    w("head-count-as-string", extra_metadata={"llama.attention.head_count": ("4", V.STRING)})
+    w("embd-as-float", extra_metadata={"llama.embedding_length": (64.5, V.FLOAT32)})
+    w("block-count-array", extra_metadata={"llama.block_count": ([1, 2], V.ARRAY)})
+    w("ff-negative", extra_metadata={"llama.feed_forward_length": (-64, V.INT32)})
+    w("ctx-huge", extra_metadata={"llama.context_length": (2**63, V.UINT64)})
+    w("head-count-zero", extra_metadata={"llama.attention.head_count": (0, V.UINT32)})
+    w("head-kv-huge", extra_metadata={"llama.attention.head_count_kv": (2**32 - 1, V.UINT32)})
+    w("key-length-odd", extra_metadata={"llama.attention.key_length": (15, V.UINT32)})
+    w("key-length-wrong", extra_metadata={"llama.attention.key_length": (32, V.UINT32)})
+    w("eps-nan", extra_metadata={"llama.attention.layer_norm_rms_epsilon": (float("nan"), V.FLOAT32)})
+    w("rope-base-zero", extra_metadata={"llama.rope.freq_base": (0.0, V.FLOAT32)})
+    w("vocab-size-wrong", extra_metadata={"llama.vocab_size": (1000, V.UINT32)})
+    w("eos-out-of-vocab", extra_metadata={"tokenizer.ggml.eos_token_id": (10**6, V.UINT32)})
+    w("template-not-text", extra_metadata={"tokenizer.chat_template": (7, V.UINT32)})
+    w("tokens-not-strings", extra_metadata={"tokenizer.ggml.tokens": ([1, 2, 3], V.ARRAY)})
+    w("arch-unknown", architecture="qwen9")
+    for align in (0, 1, 3, 7, 2**31):
+        w(f"alignment-{align}", extra_metadata={"general.alignment": (align, V.UINT32)})
+    w("dims-q-transposed", shapes={"blk.0.attn_q.weight": (64, 64 + 32)})
+    w("dims-k-short", shapes={"blk.0.attn_k.weight": (16, 64)})
+    w("dims-embd-1d", shapes={"token_embd.weight": (299 * 64,)})
+    w("dims-norm-2d", shapes={"output_norm.weight": (2, 32)})
+    w("dims-ffn-down-wrong", shapes={"blk.0.ffn_down.weight": (64, 32)})
+    w("missing-tensor", drop_tensors=("blk.0.attn_v.weight",))
+    w("missing-metadata", drop_metadata=("llama.embedding_length",))
+    w("missing-tokenizer", drop_metadata=("tokenizer.ggml.tokens",))
+    return out
+
+
+@dataclass
+class GGUFFields:
+    """Byte offsets inside a GGUF file: section boundaries and integer fields worth corrupting."""
+
+    boundaries: list[int]  # start of every KV pair and tensor info, of the data section, and the end
+    ints: list[tuple[int, int]]  # (offset, width) of counts, lengths, type ids, dims and offsets
+    tensor_offsets: list[int]  # offset of each tensor info's u64 data offset (relative to the data section)
+    tensor_dims: list[list[int]]  # offsets of each tensor's u64 dims
+    tensor_types: list[int]  # offset of each tensor's u32 type
+    data_start: int
+    regions: dict[str, tuple[int, int]]
+
+
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def gguf_fields(data: bytes) -> GGUFFields:
+    """Walk a valid GGUF (v3, little-endian) and record where its fields are (spec: ggml docs/gguf.md)."""
+    pos = 0
+
+    def u(fmt: str) -> int:
+        nonlocal pos
+        (v,) = struct.unpack_from("<" + fmt, data, pos)
+        pos += struct.calcsize(fmt)
+        return v
+
+    ints: list[tuple[int, int]] = [(4, 4), (8, 8), (16, 8)]
+    pos = 8
+    n_tensors, n_kv = u("Q"), u("Q")
+    boundaries = [0, 4, 8, 16, 24]
+    alignment = 32
+
+    def value(vtype: int) -> Any:
+        nonlocal pos
+        if vtype == 8:
+            ints.append((pos, 8))
+            n = u("Q")
+            s = data[pos : pos + n]
+            pos += n
+            return s
+        if vtype == 9:
+            ints.append((pos, 4))
+            sub = u("I")
+            ints.append((pos, 8))
+            n = u("Q")
+            for _ in range(n):
+                value(sub)
+            return None
+        size = _SCALAR_SIZES[vtype]
+        if vtype in (4, 5, 10, 11):
+            ints.append((pos, size))
+        v = int.from_bytes(data[pos : pos + size], "little")
+        pos += size
+        return v
+
+    for _ in range(n_kv):
+        boundaries.append(pos)
+        ints.append((pos, 8))
+        klen = u("Q")
+        key = data[pos : pos + klen]
+        pos += klen
+        ints.append((pos, 4))
+        v = value(u("I"))
+        if key == b"general.alignment" and isinstance(v, int) and v > 0:
+            alignment = v
+    infos_start = pos
+    offsets, dims, types = [], [], []
+    for _ in range(n_tensors):
+        boundaries.append(pos)
+        ints.append((pos, 8))
+        nlen = u("Q")
+        pos += nlen
+        ints.append((pos, 4))
+        nd = u("I")
+        dims.append([pos + 8 * i for i in range(nd)])
+        ints.extend((pos + 8 * i, 8) for i in range(nd))
+        pos += 8 * nd
+        types.append(pos)
+        ints.append((pos, 4))
+        pos += 4
+        offsets.append(pos)
+        ints.append((pos, 8))
+        pos += 8
+    boundaries.append(pos)
+    data_start = -(-pos // alignment) * alignment
+    boundaries += [data_start, len(data)]
+    regions = {"header": (0, 24), "metadata": (24, infos_start), "tensor infos": (infos_start, pos), "data": (data_start, len(data))}
+    return GGUFFields(sorted(set(boundaries)), ints, offsets, dims, types, data_start, regions)
+
+
+def build_corpus(folder: Path) -> Corpus:
+    """Write every valid input once (the tiny model, a manifest, a session, a .detkv) and read them back as bytes."""
+    from .engine import Engine
+    from .gguf_file import ModelFile
+    from .kvfile import save_kv
+    from .manifest import SamplingRecord, write_manifest
+    from .run import build_prompt, execute
+    from .session import ScriptTurn, TurnSampling, run_session, write_session
+
+    folder.mkdir(parents=True, exist_ok=True)
+    corpus = Corpus(folder)
+    for name, path in gguf_variants(folder / "gguf").items():
+        corpus.gguf[name] = path.read_bytes()
+        if name.startswith("valid"):
+            corpus.gguf_fields[name] = gguf_fields(corpus.gguf[name])
+    base = next(iter(gguf_variants_valid_paths(folder)))
+    engine = Engine(ModelFile(base, use_index=False), n_ctx=64)
+    prompt = build_prompt(engine, messages=[{"role": "user", "content": "hi there"}], chat=True)
+    sampling = SamplingRecord(temperature=0.8, top_k=40, top_p=0.9, min_p=0.0, repetition_penalty=1.1, repeat_last_n=64,
+                              seed=7, max_tokens=4, stop=["."], ignore_eos=False)  # fmt: skip
+    write_manifest(execute(engine, prompt, sampling), folder / "run.json")
+    corpus.manifest = json.loads((folder / "run.json").read_text())
+    turns = [ScriptTurn(messages=[{"role": "user", "content": "hi"}]), ScriptTurn(messages=[{"role": "user", "content": "the cat"}])]
+    record = run_session(engine, turns, TurnSampling(temperature=0.7, seed=11, max_tokens=3), kv_dir=folder / "kv")
+    write_session(record, folder / "session.json")
+    corpus.session = json.loads((folder / "session.json").read_text())
+    corpus.script = {"model": "tiny", "sampling": {"temperature": 0.7, "top_p": 0.9, "seed": 11, "max_tokens": 12},
+                     "turns": [{"messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2 + 3?"}]},
+                               {"messages": [{"role": "tool", "content": "{\"r\": 5}"}], "sampling": {"temperature": 0}}]}  # fmt: skip
+    corpus.detkv = (folder / "kv" / "turn-002.detkv").read_bytes()
+    cache = engine.new_cache()
+    engine.forward([1, 2, 3], cache)
+    save_kv(folder / "three.detkv", cache, model_sha256=engine.model_file.sha256, tokenizer_sha256=engine.tokenizer.hash)
+    return corpus
+
+
+def gguf_variants_valid_paths(folder: Path) -> list[Path]:
+    return [folder / "gguf" / "valid-f32.gguf"]
+
+
+# ------------------------------------------------------------------------------------------ strategies and checks
+
+INTERESTING = (0, 1, 2, 3, 7, 31, 32, 33, 63, 64, 255, 2**15, 2**16 - 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40,
+               2**62, 2**63 - 1, 2**63, 2**64 - 1)  # fmt: skip
+
+
+def _st():
+    from hypothesis import strategies as st
+
+    return st
+
+
+def gguf_strategy(corpus: Corpus):
+    """(variant, ops): a model variant and 0-3 byte-level mutations of it (applied by :func:`apply_gguf_ops`)."""
+    st = _st()
+    valid = sorted(corpus.gguf_fields)
+    integer = st.one_of(st.sampled_from(INTERESTING), st.integers(0, 2**64 - 1))
+
+    @st.composite
+    def op(draw, name: str):
+        f = corpus.gguf_fields[name]
+        size = len(corpus.gguf[name])
+        kind = draw(st.sampled_from(["truncate", "truncate-boundary", "flip", "int", "offset", "dims", "type", "ndims"]))
+        if kind == "truncate":
+            return ("truncate", draw(st.integers(0, size - 1)))
+        if kind == "truncate-boundary":
+            return ("truncate", max(0, draw(st.sampled_from(f.boundaries)) + draw(st.integers(-2, 2))))
+        if kind == "flip":
+            region = draw(st.sampled_from(sorted(f.regions)))
+            a, b = f.regions[region]
+            return ("flip", draw(st.integers(a, max(a, b - 1))), draw(st.integers(0, 7)))
+        if kind == "int":
+            pos, width = draw(st.sampled_from(f.ints))
+            return ("int", pos, width, draw(integer))
+        i = draw(st.integers(0, len(f.tensor_offsets) - 1))
+        if kind == "offset":
+            choice = draw(st.sampled_from(["other", "end", "past-end", "misaligned", "huge", "random"]))
+            rel = {
+                "other": lambda: struct.unpack_from("<Q", corpus.gguf[name], draw(st.sampled_from(f.tensor_offsets)))[0],
+                "end": lambda: size - f.data_start,
+                "past-end": lambda: size - f.data_start + draw(st.integers(1, 4096)),
+                "misaligned": lambda: struct.unpack_from("<Q", corpus.gguf[name], f.tensor_offsets[i])[0] + draw(st.integers(1, 31)),
+                "huge": lambda: draw(st.sampled_from((2**63 - 1, 2**64 - 1, 2**62))),
+                "random": lambda: draw(st.integers(0, 2**64 - 1)),
+            }[choice]()
+            return ("int", f.tensor_offsets[i], 8, rel)
+        if kind == "dims":
+            if not f.tensor_dims[i]:
+                return ("truncate", size)
+            return ("int", draw(st.sampled_from(f.tensor_dims[i])), 8, draw(st.one_of(st.sampled_from(INTERESTING), st.integers(0, 600))))
+        if kind == "type":
+            return ("int", f.tensor_types[i], 4, draw(st.one_of(st.integers(0, 40), st.sampled_from(INTERESTING))))
+        return ("int", f.tensor_dims[i][0] - 4 if f.tensor_dims[i] else f.tensor_types[i] - 4, 4, draw(st.sampled_from((0, 1, 3, 4, 5, 2**31, 2**32 - 1))))
+
+    @st.composite
+    def case(draw):
+        if draw(st.integers(0, 4)) == 0:  # a structurally wrong model, as written
+            return (draw(st.sampled_from(sorted(corpus.gguf))), ())
+        name = draw(st.sampled_from(valid))
+        return (name, tuple(draw(st.lists(op(name), min_size=1, max_size=3))))
+
+    return case()
+
+
+def apply_gguf_ops(data: bytes, ops) -> bytes:
+    buf = bytearray(data)
+    for o in ops:
+        if o[0] == "truncate":
+            del buf[o[1] :]
+        elif o[0] == "flip" and o[1] < len(buf):
+            buf[o[1]] ^= 1 << o[2]
+        elif o[0] == "int" and o[1] + o[2] <= len(buf):
+            buf[o[1] : o[1] + o[2]] = (o[3] % (1 << (8 * o[2]))).to_bytes(o[2], "little")
+    return bytes(buf)
+
+
+def check_gguf(corpus: Corpus, case, path: Path) -> None:
+    """Load the (mutated) model, build the engine and run a 2-token forward: must succeed or raise DetinferError."""
+    from .engine import Engine
+    from .gguf_file import ModelFile
+
+    name, ops = case
+    path.write_bytes(apply_gguf_ops(corpus.gguf[name], ops))
+    engine = Engine(ModelFile(path, use_index=False), n_ctx=32)
+    logits = engine.forward([1, 2] if engine.config.n_vocab > 2 else [0, 0], engine.new_cache())
+    if logits.shape != (engine.config.n_vocab,):
+        raise AssertionError(f"logits shape {logits.shape}")
+
+
+_JSON_LEAVES = (None, True, False, 0, -1, 1, 2**31, 2**63, 2**64, -(2**63) - 1, 1.5, -0.0, float("inf"), float("nan"), 1e308,
+                "", "x", "f32", "q4_0", "0" * 64, "\u0000", "\ud7ff\U0001f600", [], {}, [1, 2], {"a": 1})  # fmt: skip
+
+
+def _paths(data: Any, prefix: tuple = ()) -> list[tuple]:
+    out = [prefix]
+    if isinstance(data, dict):
+        for k, v in data.items():
+            out += _paths(v, prefix + (k,))
+    elif isinstance(data, list):
+        for i, v in enumerate(data[:8]):
+            out += _paths(v, prefix + (i,))
+    return out
+
+
+def json_strategy(base: dict):
+    """(edits, reseal, text_ops): JSON edits at random paths (replace with another type, delete, add a key),
+    whether to recompute a manifest's section hashes after editing, and byte edits of the serialized text."""
+    st = _st()
+    paths = _paths(base)
+    leaf = st.one_of(st.sampled_from(_JSON_LEAVES), st.integers(), st.floats(), st.text(max_size=20))
+    edit = st.tuples(st.sampled_from(["set", "delete", "add"]), st.sampled_from(paths), leaf)
+    text_op = st.one_of(
+        st.tuples(st.just("truncate"), st.integers(0, 10**6)),
+        st.tuples(st.just("flip"), st.integers(0, 10**6), st.integers(0, 7)),
+    )
+    return st.tuples(st.lists(edit, max_size=3), st.booleans(), st.lists(text_op, max_size=1))
+
+
+def apply_json_ops(base: dict, case, reseal: Callable[[dict], dict] | None) -> bytes:
+    edits, do_reseal, text_ops = case
+    data = copy.deepcopy(base)
+    for kind, path, value in edits:
+        if not path:
+            data = value if kind == "set" else data
+            continue
+        parent = data
+        try:
+            for p in path[:-1]:
+                parent = parent[p]
+            if kind == "set":
+                parent[path[-1]] = value
+            elif kind == "delete":
+                del parent[path[-1]]
+            elif isinstance(parent, dict):
+                parent[f"extra_{len(parent)}"] = value
+            elif isinstance(parent, list):
+                parent.append(value)
+        except (KeyError, IndexError, TypeError):
+            pass  # an earlier edit removed or retyped the path
+    if do_reseal and reseal is not None and isinstance(data, dict):
+        data = reseal(data)
+    raw = bytearray(json.dumps(data, sort_keys=True, indent=2, ensure_ascii=False, allow_nan=True).encode("utf-8", "surrogatepass"))
+    for op in text_ops:
+        if raw and op[0] == "truncate":
+            del raw[op[1] % len(raw) :]
+        elif raw and op[0] == "flip":
+            raw[op[1] % len(raw)] ^= 1 << op[2]
+    return bytes(raw)
+
+
+def reseal_manifest(data: dict) -> dict:
+    """Recompute token and section hashes so the edit reaches schema validation instead of the tamper check."""
+    import hashlib
+
+    from .manifest import CONTRACT_FIELDS, canonical_json, tokens_sha256
+
+    for sec in ("prompt", "output"):
+        s = data.get(sec)
+        if isinstance(s, dict) and isinstance(s.get("token_ids"), list):
+            try:
+                s["tokens_sha256"] = tokens_sha256(s["token_ids"])
+            except TypeError:
+                pass
+    try:
+        data["section_sha256"] = {k: hashlib.sha256(canonical_json(data.get(k)).encode()).hexdigest() for k in CONTRACT_FIELDS}
+    except (TypeError, ValueError):
+        pass
+    return data
+
+
+def check_manifest(corpus: Corpus, case, path: Path) -> None:
+    from .manifest import load_manifest
+
+    path.write_bytes(apply_json_ops(corpus.manifest, case, reseal_manifest))
+    load_manifest(path)
+
+
+def check_session(corpus: Corpus, case, path: Path) -> None:
+    from .session import load_session
+
+    path.write_bytes(apply_json_ops(corpus.session, case, None))
+    load_session(path)
+
+
+def check_script(corpus: Corpus, case, path: Path) -> None:
+    from .session import load_script
+
+    path.write_bytes(apply_json_ops(corpus.script, case, None))
+    load_script(path)
+
+
+def detkv_strategy(corpus: Corpus):
+    """(header edits, byte ops, fix checksum): edits of the JSON header, flips/truncations/int overwrites of the
+    bytes, and whether to recompute the trailing sha256 so the edit reaches the header and length checks."""
+    st = _st()
+    header = _detkv_header(corpus.detkv)[0]
+    keys = sorted(header)
+    hval = st.one_of(st.sampled_from(_JSON_LEAVES), st.sampled_from((0, 1, 2, 16, 64, 2**31, 2**62, -1)), st.lists(st.integers(-1, 400), max_size=6))
+    hedit = st.tuples(st.sampled_from(keys + ["extra"]), st.sampled_from(["set", "delete"]), hval)
+    size = len(corpus.detkv)
+    byte_op = st.one_of(
+        st.tuples(st.just("truncate"), st.one_of(st.integers(0, size), st.sampled_from((0, 8, 12, 20, 52, size - 32, size - 1)))),
+        st.tuples(st.just("flip"), st.integers(0, size - 1), st.integers(0, 7)),
+        st.tuples(st.just("int"), st.sampled_from((8, 12)), st.sampled_from(INTERESTING)),
+    )
+    return st.tuples(st.lists(hedit, max_size=2), st.lists(byte_op, max_size=2), st.booleans())
+
+
+def _detkv_header(data: bytes) -> tuple[dict, int]:
+    from .kvfile import PRELUDE
+
+    _, _, n = PRELUDE.unpack_from(data, 0)
+    return json.loads(data[PRELUDE.size : PRELUDE.size + n]), n
+
+
+def apply_detkv_ops(data: bytes, case) -> bytes:
+    import hashlib
+
+    from .kvfile import ALIGN, FORMAT_VERSION, MAGIC, PRELUDE
+
+    hedits, byte_ops, fix = case
+    header, n = _detkv_header(data)
+    body = data[-(-(PRELUDE.size + n) // ALIGN) * ALIGN : -32]
+    for key, kind, value in hedits:
+        if kind == "set":
+            header[key] = value
+        else:
+            header.pop(key, None)
+    head = json.dumps(header, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
+    pad = bytes(-(-(PRELUDE.size + len(head)) // ALIGN) * ALIGN - PRELUDE.size - len(head))
+    buf = bytearray(PRELUDE.pack(MAGIC, FORMAT_VERSION, len(head)) + head + pad + body)
+    for op in byte_ops:
+        if op[0] == "truncate":
+            del buf[op[1] :]
+        elif op[0] == "flip" and op[1] < len(buf):
+            buf[op[1]] ^= 1 << op[2]
+        elif op[0] == "int":
+            width = 4 if op[1] == 8 else 8
+            buf[op[1] : op[1] + width] = (op[2] % (1 << (8 * width))).to_bytes(width, "little")
+    return bytes(buf + (hashlib.sha256(buf).digest() if fix else data[-32:]))
+
+
+def check_detkv(corpus: Corpus, case, path: Path) -> None:
+    from .kvfile import inspect_kv, load_kv
+
+    path.write_bytes(apply_detkv_ops(corpus.detkv, case))
+    outcome = classify(lambda: inspect_kv(path))
+    load_kv(path)  # load is stricter than inspect: it may fail where inspect succeeded, never the other way round
+    if outcome[0] != OK:
+        raise AssertionError(f"load_kv accepted a file inspect_kv refused ({outcome[1]})")
+
+
+TEMPLATE_PARTS = (
+    "{% for message in messages %}", "{% endfor %}", "{{ message['role'] }}", "{{ message.content }}", "<|im_start|>",
+    "{% if add_generation_prompt %}", "{% endif %}", "{% else %}", "{{ messages[0]['content'] | trim }}",
+    "{{ bos_token }}", "{{ eos_token }}", "{{ raise_exception('no') }}", "{{ 1 / 0 }}", "{{ messages | tojson }}",
+    "{{ ''.__class__.__mro__ }}", "{{ messages.__class__.__init__.__globals__ }}", "{{ cycler.__init__.__globals__.os }}",
+    "{{ lipsum.__globals__['os'].popen('id') }}", "{{ self.__init__ }}", "{{ namespace.__init__.__globals__ }}",
+    "{% import 'os' as os %}", "{% include 'x' %}", "{% extends 'x' %}", "{{ range.__call__ }}", "{{ messages.append(1) }}",
+    "{% for i in range(100000) %}", "{% for j in range(100000) %}", "{{ 'ab' * 100000000 }}", "{{ 2 ** 99999999 }}",
+    "{{ 'x' | center(99999999) }}", "{{ '{:>99999999}'.format(1) }}", "{% set ns = namespace(s='ab') %}",
+    "{% set ns.s = ns.s ~ ns.s %}", "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "{% for m in messages recursive %}{{ loop(messages) }}",
+    "{{ messages[99] }}", "{{ message.tool_calls[0] }}", "{% break %}", "{% continue %}", "{{ tools | length }}",
+    "{{", "}}", "{%", "%}", "{#", "#}", "'", "\"", "\n", " ",
+)  # fmt: skip
+
+
+def template_strategy():
+    """(template source, messages, add_generation_prompt): templates assembled from fragments (valid and hostile)
+    or arbitrary text, and message lists that may be malformed."""
+    st = _st()
+    scalar = st.one_of(st.text(max_size=12), st.none(), st.integers(), st.booleans(), st.floats())
+    good = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool"]), "content": st.text(max_size=20)})
+    bad = st.one_of(st.dictionaries(st.sampled_from(["role", "content", "tool_calls", "name"]), scalar, max_size=4), scalar)
+    messages = st.integers(0, 3).flatmap(  # three in four lists are well-formed, so most cases reach the template
+        lambda k: st.lists(good, min_size=1, max_size=4) if k else st.one_of(st.lists(st.one_of(good, bad), max_size=4), scalar)
+    )
+    structured = st.lists(st.sampled_from(TEMPLATE_PARTS), max_size=8).map("".join)
+    source = st.integers(0, 4).flatmap(lambda k: st.text(max_size=60) if k == 0 else structured)
+    return st.tuples(source, messages, st.booleans())
+
+
+def check_template(corpus: Corpus, case, path: Path) -> None:
+    from .chat import ChatTemplate
+
+    source, messages, gen = case
+    out = ChatTemplate(source).render(messages, add_generation_prompt=gen)
+    if not isinstance(out, str):
+        raise AssertionError(f"render returned {type(out).__name__}")
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    what: str  # the class of bad input, for the report
+    strategy: Callable[[Corpus], Any]
+    check: Callable[[Corpus, Any, Path], None]
+
+
+TARGETS = {
+    t.name: t
+    for t in (
+        Target("gguf", "GGUF models: truncation at every section boundary and anywhere, bit flips in header / metadata / "
+               "tensor infos / data, huge counts and lengths, wrong and moved tensor offsets (overlapping, misaligned, "
+               "past the end), wrong dims, n_dims and type ids, wrong alignment, metadata of the wrong type or value, "
+               "wrong dims for the architecture -> ModelFile + Engine(n_ctx=32) + 2-token forward",
+               gguf_strategy, check_gguf),  # fmt: skip
+        Target("manifest", "run manifests: random JSON edits (type changes, deleted / added keys, root replaced), with "
+               "and without recomputed section hashes, truncation and bit flips of the text -> load_manifest",
+               lambda c: json_strategy(c.manifest), check_manifest),  # fmt: skip
+        Target("session", "session records: the same JSON edits, truncation and bit flips -> load_session",
+               lambda c: json_strategy(c.session), check_session),
+        Target("script", "session scripts: the same JSON edits (bad sampling values, roles, types) -> load_script",
+               lambda c: json_strategy(c.script), check_script),
+        Target("detkv", ".detkv snapshots: header JSON edits (huge n_tokens / dims, wrong types, missing keys), truncation, "
+               "bit flips, huge header length or version, with and without a recomputed checksum -> inspect_kv + load_kv",
+               detkv_strategy, check_detkv),  # fmt: skip
+        Target("template", "chat templates: fragments (sandbox escapes via __class__ / __globals__, imports, includes, "
+               "huge ranges, nested loops, string blow-up, recursion, syntax errors) and random text, with random and "
+               "malformed messages -> ChatTemplate(source).render(messages)",
+               lambda c: template_strategy(), check_template),  # fmt: skip
+    )
+}
+
+
+# ------------------------------------------------------------------------------------------ runner
+
+
+def run_target(target: Target, corpus: Corpus, examples: int, seed: int, on_result: Callable[[Any, str, str], None]) -> None:
+    """Run ``examples`` hypothesis examples of ``target`` (no shrinking: every outcome is counted, none raised)."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hseed
+
+    scratch = corpus.folder / f"input-{target.name}"
+
+    @hseed(seed)
+    @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(target.strategy(corpus))
+    def run(case) -> None:
+        on_result(case, *classify(lambda: target.check(corpus, case, scratch)))
+
+    run()
+
+
+def _worker(args: argparse.Namespace) -> None:
+    """Child process: print one JSON line before ("start") and after ("done") every example."""
+    corpus = build_corpus(Path(args.workdir))
+
+    def report(case, outcome, detail) -> None:
+        print(json.dumps({"outcome": outcome, "detail": detail, "case": repr(case)[:400]}), flush=True)
+
+    run_target(TARGETS[args.worker], corpus, args.examples, args.seed, report)
+
+
+def _run_in_worker(name: str, examples: int, seed: int, workdir: Path, log: Callable[[str], None]) -> dict:
+    """Run target ``name`` in child processes with NUMBA_BOUNDSCHECK=1, restarting after a crash."""
+    counts = {o: 0 for o in OUTCOMES}
+    failures: list[dict] = []
+    env = dict(os.environ, NUMBA_BOUNDSCHECK="1", NUMBA_CACHE_DIR=str(workdir / "numba-boundscheck"))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")]))
+    done, attempt = 0, 0
+    t0 = time.perf_counter()
+    while done < examples and attempt < 20:
+        cmd = [sys.executable, "-m", "detinfer.fuzz", "--worker", name, "--examples", str(examples - done),
+               "--seed", str(seed + attempt), "--workdir", str(workdir / name)]  # fmt: skip
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        got = 0
+        for line in proc.stdout:
+            rec = json.loads(line)
+            counts[rec["outcome"]] += 1
+            got += 1
+            if rec["outcome"] not in (OK, REJECTED) and len(failures) < 20:
+                failures.append(rec)
+        stderr = proc.stderr.read()
+        proc.wait()
+        done += got
+        attempt += 1
+        if proc.returncode != 0:
+            if got == 0 and proc.returncode > 0:
+                raise RuntimeError(f"fuzz worker for {name} failed to start:\n{stderr[-2000:]}")
+            counts[CRASH] += 1  # the example after the last reported one killed the process
+            done += 1
+            failures.append({"outcome": CRASH, "detail": f"exit status {proc.returncode}: {stderr.strip()[-300:]}", "case": "(next example)"})
+        elif got == 0:
+            break  # hypothesis ran out of distinct examples
+    seconds = time.perf_counter() - t0
+    log(f"{name}: {sum(counts.values())} inputs in {seconds:.1f} s: " + ", ".join(f"{k} {v}" for k, v in counts.items() if v))
+    return {"counts": counts, "failures": failures, "seconds": seconds}
+
+
+def report_markdown(results: dict[str, dict], examples: int, total_seconds: float) -> str:
+    lines = [
+        "# Reliability: fuzzing, crash safety, bad input",
+        "",
+        "Generated by `make fuzz` (`python -m detinfer.fuzz --examples N --report docs/reliability.md`). The contract:",
+        "every input ends in a correct result or a typed `DetinferError` with a one-line message, never another",
+        "exception, never a crash. Each target ran in a worker process with `NUMBA_BOUNDSCHECK=1`, so a kernel",
+        "reading out of bounds would surface as an `IndexError` (counted as \"other exception\").",
+        "",
+        f"Examples requested per target: {examples}. Total time: {total_seconds:.0f} s (including one bounds-checked",
+        "numba compile per worker). Hypothesis may stop a target early when its strategy has no new examples left.",
+        "",
+        "| target | inputs | ok | DetinferError | DetinferError, not one line | other exception | crash | seconds |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in results.items():
+        c = r["counts"]
+        lines.append(f"| {name} | {sum(c.values())} | " + " | ".join(str(c[o]) for o in OUTCOMES) + f" | {r['seconds']:.0f} |")
+    lines += ["", "## Classes of bad input tried", ""]
+    for name in results:
+        lines.append(f"- **{name}**: {TARGETS[name].what}.")
+    lines += [
+        "",
+        "## Other reliability checks (tests)",
+        "",
+        "- `tests/test_fuzz.py`: the same targets in-process, a few hundred hypothesis examples each; template limits",
+        "  (operation budget, output size, range length, string/number size); sandbox escapes; a forward pass and",
+        "  generation under `NUMBA_BOUNDSCHECK=1` in a fresh numba cache.",
+        "- `tests/test_crash_safety.py`: a writer process killed with SIGKILL at random points while rewriting a",
+        "  manifest, a session record and a .detkv snapshot; the previous file always loads, and leftover",
+        "  `.*.tmp` files are never read (verify's folder scan skips them).",
+        "- Template limits (detinfer/chat.py): at most 2,000,000 counted operations per render (lookups, calls,",
+        "  filters, operators, range() items), 16 MiB of output or for any one string/list/number a template builds,",
+        "  range() of at most 100,000 items; recursion and memory errors become TemplateError.",
+        "",
+        "## Failures",
+        "",
+    ]
+    bad = [(n, f) for n, r in results.items() for f in r["failures"]]
+    if not bad:
+        lines.append("None.")
+    for name, f in bad:
+        lines.append(f"- {name}: {f['outcome']}: `{f['detail']}` for `{f['case'][:200]}`")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m detinfer.fuzz", description=__doc__.splitlines()[0])
+    p.add_argument("--examples", type=int, default=300, help="examples per target")
+    p.add_argument("--report", type=Path, default=None, help="write a markdown report here (e.g. docs/reliability.md)")
+    p.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated subset of {', '.join(TARGETS)}")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.examples < 1:
+        p.error("--examples must be at least 1")
+    if args.worker:
+        _worker(args)
+        return 0
+    names = [n for n in args.targets.split(",") if n]
+    unknown = [n for n in names if n not in TARGETS]
+    if unknown:
+        p.error(f"unknown target(s) {', '.join(unknown)}; known: {', '.join(TARGETS)}")
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="detinfer-fuzz-") as tmp:
+        workdir = Path(tmp)
+        results = {n: _run_in_worker(n, args.examples, args.seed, workdir, lambda s: print(s, file=sys.stderr)) for n in names}
+    total = time.perf_counter() - t0
+    if args.report:
+        from .fileio import atomic_write_text
+
+        atomic_write_text(args.report, report_markdown(results, args.examples, total))
+    bad = sum(r["counts"][o] for r in results.values() for o in (BAD_MESSAGE, OTHER, CRASH))
+    print(f"{bad} input(s) broke the contract" if bad else "every input ended in a result or a DetinferError", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,565 @@
+"""OpenAI-compatible HTTP server: one decode worker, bounded admission, prefix reuse, optional session recording.
+
+Data path of a request: auth -> body (size-limited JSON) -> pydantic validation (``extra="forbid"``: every
+unknown or unsupported parameter is a 400, never ignored) -> admission (a slot of ``--max-queue``, else 429) ->
+prepare (template + tokenize, at most ``--max-inflight`` at once, in threads) -> the single decode worker
+(one sequence at a time; numba kernels and the KV cache are not shared across threads) -> response or SSE.
+
+Determinism: output depends only on (prompt token ids, temperature, top_p, seed, max tokens, stop), never on
+queueing, streaming or the prefix cache (reuse is exact, see prefix_cache.py). Defaults follow OpenAI where it has
+one: temperature 1, top_p 1; ``seed`` defaults to 0 (OpenAI has no fixed default), max tokens to the rest of the
+context for chat and 16 for /v1/completions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import queue
+import threading
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from . import __version__
+from .engine import Engine, set_threads
+from .errors import DetinferError
+from .generate import DIGEST_SEED, GenerationResult, Step, check_prompt, generate
+from .manifest import tokens_sha256
+from .prefix_cache import PrefixCache
+from .sampler import RNG_PERSON, WEIGHT_BITS, SamplingParams
+from .session import ChatMessage, TurnRecord, TurnSampling, effective_sampling, new_record, write_session
+
+MAX_BODY_BYTES = 1 << 20
+MAX_STOP = 4  # OpenAI's limit on stop sequences
+FINISH = {"eos": "stop", "stop": "stop", "max_tokens": "length", "length": "length"}
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    max_queue: int = 8  # requests admitted at once (preparing, waiting for or in decode); more get 429
+    max_inflight: int = 4  # requests preparing (template, tokenize) at once
+    threads: int | None = None  # numba threads of the decode worker
+    cache_bytes: int = 1 << 30  # prefix cache budget
+    record_dir: Path | None = None
+    api_key: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
+
+
+# --------------------------------------------------------------------------------------------- errors
+
+
+class ApiError(Exception):
+    """An error response in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error", headers: dict[str, str] | None = None):  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type, self.headers = status, message, param, code, type_, headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _validation_error(e: ValidationError) -> ApiError:
+    err = e.errors()[0]
+    param = ".".join(str(x) for x in err["loc"]) or None
+    if err["type"] == "extra_forbidden":
+        return ApiError(400, f"Unrecognized or unsupported request argument supplied: {param}", param=param, code="unsupported_parameter")
+    return ApiError(400, f"Invalid value for {param}: {err['msg']}", param=param, code="invalid_value")
+
+
+# --------------------------------------------------------------------------------------------- request models
+
+
+class _Req(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TextPart(_Req):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Req):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Req):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Req):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class StreamOptions(_Req):
+    include_usage: bool = False
+
+
+class _Sampling(_Req):
+    """Parameters shared by both endpoints. Ranges are OpenAI's; seed is the sampler's (0 <= seed < 2**64)."""
+
+    model: str  # informative: the server serves one model and never resolves this as a name or path
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    max_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+    def check(self) -> None:
+        """Reject what the engine cannot do exactly, naming the parameter (never silently ignored)."""
+        if self.n not in (None, 1):
+            raise ApiError(400, f"n={self.n} is not supported; only n=1", param="n", code="unsupported_value")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise ApiError(400, f"{name} is not implemented; only 0 is accepted", param=name, code="unsupported_value")
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
+            raise ApiError(400, f"stop: at most {MAX_STOP} sequences, got {len(self.stop)}", param="stop", code="invalid_value")
+
+    @property
+    def stops(self) -> list[str]:
+        return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto"] | None = None  # "required" / a named function cannot be enforced
+    parallel_tool_calls: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.logprobs or self.top_logprobs is not None:
+            param = "logprobs" if self.logprobs else "top_logprobs"
+            raise ApiError(400, f"{param} is not supported by this server", param=param, code="unsupported_parameter")
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int]
+    echo: bool | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check(self) -> None:
+        super().check()
+        for name, ok in (("echo", not self.echo), ("logprobs", self.logprobs is None), ("suffix", self.suffix is None),
+                         ("best_of", self.best_of in (None, 1))):  # fmt: skip
+            if not ok:
+                raise ApiError(400, f"{name} is not supported by this server", param=name, code="unsupported_parameter")
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
+            raise ApiError(400, "prompt: only one prompt per request", param="prompt", code="unsupported_value")
+
+
+# --------------------------------------------------------------------------------------------- decode worker
+
+
+@dataclass
+class Job:
+    """One generation handed to the worker. ``emit`` is called from the worker thread (thread-safe)."""
+
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stop: list[str]
+    emit: Callable[[tuple[str, Any]], None]
+    stream: bool
+    record: dict[str, Any] | None = None  # messages and note for the session recorder
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+class _Session:
+    def __init__(self, path: Path):
+        self.path = path
+        self.turns: list[TurnRecord] = []
+        self.history: list[int] = []  # last prompt + its generated tokens
+        self.n_messages = 0  # messages the next request repeats (the last request's plus the assistant reply)
+
+
+class Recorder:
+    """Writes every finished request into session files that ``detinfer replay`` re-executes.
+
+    A request whose prompt token ids extend a recorded session's last prompt + output is appended to it as a turn
+    (appended_token_ids = the new tokens); otherwise it starts a new session file. Runs on the worker thread only.
+    """
+
+    MAX_OPEN = 256  # sessions remembered for matching
+
+    def __init__(self, directory: Path, engine: Engine):
+        self.dir, self.engine = Path(directory), engine
+        self.dir.mkdir(parents=True, exist_ok=True)
+        taken = [int(p.stem.split("-")[1]) for p in self.dir.glob("session-*.json") if p.stem.split("-")[1].isdigit()]
+        self.next_id = max(taken, default=0) + 1
+        self.sessions: list[_Session] = []
+
+    def add(self, job: Job, res: GenerationResult, sampling: dict[str, Any], seconds: float) -> Path:
+        prompt = job.prompt
+        match = [s for s in self.sessions if len(s.history) < len(prompt) and prompt[: len(s.history)] == s.history]
+        sess = max(match, key=lambda s: len(s.history), default=None)
+        messages = job.record["messages"]
+        if sess is None:
+            sess = _Session(self.dir / f"session-{self.next_id:06d}.json")
+            self.next_id += 1
+            self.sessions = self.sessions[-(self.MAX_OPEN - 1):] + [sess]
+            new_messages = messages
+        else:
+            new_messages = messages[sess.n_messages:] if job.record["chat"] else messages
+        turn = TurnRecord(
+            messages=[ChatMessage(**m) for m in new_messages],
+            sampling=sampling,
+            appended_token_ids=prompt[len(sess.history):],
+            generated_token_ids=res.tokens,
+            text=res.text,
+            stop_reason=res.stop_reason,
+            reused_tokens=res.reused_tokens,
+            kv_sha256=res.kv_sha256,
+            logits_digests=res.digests,
+            template_note=job.record.get("note"),
+            seconds=round(seconds, 4),
+        )
+        sess.turns.append(turn)
+        sess.history = prompt + res.tokens
+        sess.n_messages = len(messages) + 1
+        write_session(new_record(self.engine, sess.turns), sess.path)
+        return sess.path
+
+
+class Worker:
+    """The single decode thread: owns the KV cache and the prefix cache; runs one job at a time."""
+
+    def __init__(self, engine: Engine, settings: ServerSettings):
+        self.engine, self.settings = engine, settings
+        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self.prefix = PrefixCache(settings.cache_bytes)
+        self.recorder = Recorder(settings.record_dir, engine) if settings.record_dir is not None else None
+        self.thread = threading.Thread(target=self._loop, name="detinfer-decode", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+        self.thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        set_threads(self.settings.threads)  # numba's thread count is per calling thread
+        cache = self.engine.new_cache()
+        while (job := self.jobs.get()) is not None:
+            if job.cancel.is_set():
+                continue
+            try:
+                self._run(job, cache)
+            except DetinferError as e:
+                job.emit(("error", ApiError(400, str(e), code=type(e).__name__)))
+            except Exception as e:  # keep serving; report the failure to this request only
+                job.emit(("error", ApiError(500, f"internal error: {type(e).__name__}: {e}", type_="server_error")))
+
+    def _run(self, job: Job, cache) -> None:
+        prompt = job.prompt
+        k, snap = self.prefix.lookup(prompt, limit=len(prompt) - 1)
+        held = next((i for i, (a, b) in enumerate(zip(cache.tokens, prompt)) if a != b), min(cache.n_tokens, len(prompt)))
+        if snap is not None and k > held:
+            cache.restore(snap, k)
+        res = GenerationResult()
+        t0 = time.perf_counter()
+        for step in generate(self.engine, prompt, job.params, max_tokens=job.max_tokens, stop=job.stop, cache=cache, result=res):
+            if job.cancel.is_set():
+                return  # client gone: the partial cache is still an exact prefix for later requests
+            if job.stream:
+                job.emit(("step", step))
+        seconds = time.perf_counter() - t0
+        self.prefix.store(cache)
+        if self.recorder is not None and job.record is not None:
+            sampling = effective_sampling(TurnSampling(temperature=job.params.temperature, top_p=job.params.top_p,
+                                                       seed=job.params.seed, max_tokens=job.max_tokens, stop=job.stop), None)  # fmt: skip
+            self.recorder.add(job, res, sampling, seconds)
+        job.emit(("done", res))
+
+
+# --------------------------------------------------------------------------------------------- the app
+
+
+def numerics_spec(engine: Engine) -> str:
+    """What besides the model and detinfer's version fixes the numbers (part of ``system_fingerprint``)."""
+    return f"detinfer-numerics/1;kv={engine.kv_type};rng={RNG_PERSON.decode()};weight_bits={WEIGHT_BITS};digest={DIGEST_SEED[:16]}"
+
+
+def model_id(engine: Engine) -> str:
+    from .run import model_record
+
+    return model_record(engine).registry_name or engine.model_file.path.stem
+
+
+class Server:
+    """Admission, preparation and response building around one Worker."""
+
+    def __init__(self, engine: Engine, settings: ServerSettings):
+        self.engine, self.settings = engine, settings
+        self.worker = Worker(engine, settings)
+        self.model_id = model_id(engine)
+        spec = f"{engine.model_file.sha256}\n{__version__}\n{numerics_spec(engine)}"
+        self.fingerprint = "fp_" + hashlib.sha256(spec.encode()).hexdigest()[:16]
+        self.admitted = 0
+        self._inflight: asyncio.Semaphore | None = None
+
+    # admission ------------------------------------------------------------------------------
+    def admit(self) -> None:
+        if self.admitted >= self.settings.max_queue:
+            raise ApiError(429, f"the server queue is full ({self.settings.max_queue} requests); retry later",
+                           type_="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})  # fmt: skip
+        self.admitted += 1
+
+    def release(self) -> None:
+        self.admitted -= 1
+
+    # preparation (runs in a thread) ---------------------------------------------------------
+    def prepare_chat(self, req: ChatRequest) -> tuple[list[int], list[dict]]:
+        tok, tpl = self.engine.tokenizer, self.engine.chat_template
+        if tpl is None:
+            raise ApiError(400, f"{self.model_id} has no chat template; use /v1/completions", param="messages")
+        messages = []
+        for i, m in enumerate(req.messages):
+            content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
+            if m.content is None and not m.tool_calls:
+                raise ApiError(400, f"messages.{i}.content is required", param=f"messages.{i}.content")
+            msg: dict[str, Any] = {"role": m.role, "content": content}
+            if m.tool_calls:
+                msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            for key in ("name", "tool_call_id"):
+                if getattr(m, key) is not None:
+                    msg[key] = getattr(m, key)
+            messages.append(msg)
+        bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
+        eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
+        rendered = tpl.render(messages, add_generation_prompt=True, bos_token=bos, eos_token=eos, tools=req.tools)
+        return tok.encode(rendered, add_bos=False, parse_special=True), messages
+
+    def prepare_completion(self, req: CompletionRequest) -> list[int]:
+        p = req.prompt
+        if isinstance(p, list) and (not p or isinstance(p[0], int)):
+            bad = [t for t in p if not 0 <= t < self.engine.config.n_vocab]
+            if bad:
+                raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary", param="prompt")
+            return list(p)
+        text = p if isinstance(p, str) else p[0]
+        if text == "":
+            raise ApiError(400, "prompt is empty", param="prompt")
+        return self.engine.tokenizer.encode(text)
+
+    def check_length(self, prompt: list[int]) -> None:
+        check_prompt(self.engine, prompt)
+        if len(prompt) >= self.engine.n_ctx:
+            raise ApiError(400, f"the prompt has {len(prompt)} tokens but the context holds {self.engine.n_ctx} "
+                           "(at least one must remain for the completion)", param="messages", code="context_length_exceeded")  # fmt: skip
+
+    # serving --------------------------------------------------------------------------------
+    async def serve(self, request: Request, req: ChatRequest | CompletionRequest) -> Response:
+        chat = isinstance(req, ChatRequest)
+        self.admit()
+        released = False
+
+        def release_once() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.release()
+
+        try:
+            async with self._inflight:
+                if chat:
+                    prompt, messages = await anyio.to_thread.run_sync(self.prepare_chat, req)
+                    record = {"chat": True, "messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
+                else:
+                    prompt = await anyio.to_thread.run_sync(self.prepare_completion, req)
+                    record = {"chat": False, "messages": [], "note": "raw /v1/completions prompt (no chat template)"}
+            self.check_length(prompt)
+            limit = (req.max_completion_tokens or req.max_tokens) if chat else req.max_tokens
+            max_tokens = limit or (self.engine.n_ctx - len(prompt) if chat else COMPLETIONS_DEFAULT_MAX_TOKENS)
+            params = SamplingParams.create(temperature=float(1.0 if req.temperature is None else req.temperature),
+                                           top_p=float(1.0 if req.top_p is None else req.top_p),
+                                           seed=0 if req.seed is None else req.seed)  # fmt: skip
+            loop = asyncio.get_running_loop()
+            events: asyncio.Queue = asyncio.Queue()
+            job = Job(prompt, params, max_tokens, req.stops, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+                      stream=bool(req.stream), record=record)  # fmt: skip
+            self.worker.jobs.put(job)
+        except BaseException:
+            release_once()
+            raise
+        meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
+                "model": self.model_id, "system_fingerprint": self.fingerprint}  # fmt: skip
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(self._sse(job, events, meta, chat, include_usage, len(prompt), release_once),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})  # fmt: skip
+        try:
+            while True:
+                try:
+                    kind, payload = await asyncio.wait_for(events.get(), 0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        job.cancel.set()
+                        return Response(status_code=499)
+                    continue
+                if kind == "error":
+                    raise payload
+                if kind == "done":
+                    break
+        finally:
+            job.cancel.set()
+            release_once()
+        res: GenerationResult = payload
+        body = dict(meta, object="chat.completion" if chat else "text_completion", usage=self._usage(len(prompt), res))
+        choice = {"index": 0, "finish_reason": FINISH[res.stop_reason], "logprobs": None}
+        choice.update({"message": {"role": "assistant", "content": res.text}} if chat else {"text": res.text})
+        body["choices"] = [choice]
+        return JSONResponse(body, headers={"x-detinfer-output-sha256": tokens_sha256(res.tokens), "x-detinfer-kv-sha256": res.kv_sha256})
+
+    @staticmethod
+    def _usage(n_prompt: int, res: GenerationResult) -> dict:
+        return {"prompt_tokens": n_prompt, "completion_tokens": len(res.tokens), "total_tokens": n_prompt + len(res.tokens),
+                "prompt_tokens_details": {"cached_tokens": res.reused_tokens}}  # fmt: skip
+
+    async def _sse(self, job: Job, events: asyncio.Queue, meta: dict, chat: bool, include_usage: bool, n_prompt: int,
+                   release: Callable[[], None]):  # fmt: skip
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta: dict | None, text: str | None, finish: str | None, **extra) -> str:
+            choice = {"index": 0, "finish_reason": finish, "logprobs": None}
+            choice.update({"delta": delta} if chat else {"text": text})
+            return "data: " + json.dumps(dict(meta, object=obj, choices=[choice], **extra), ensure_ascii=False) + "\n\n"
+
+        try:
+            if chat:
+                yield chunk({"role": "assistant", "content": ""}, None, None)
+            while True:
+                kind, payload = await events.get()
+                if kind == "error":
+                    yield "data: " + json.dumps(payload.body()) + "\n\n"
+                    break
+                if kind == "step":
+                    step: Step = payload
+                    if step.text:
+                        yield chunk({"content": step.text}, step.text, None)
+                    continue
+                res: GenerationResult = payload
+                ext = {"detinfer": {"output_sha256": tokens_sha256(res.tokens), "kv_sha256": res.kv_sha256}}
+                yield chunk({}, "", FINISH[res.stop_reason], **ext)
+                if include_usage:
+                    yield "data: " + json.dumps(dict(meta, object=obj, choices=[], usage=self._usage(n_prompt, res))) + "\n\n"
+                break
+            yield "data: [DONE]\n\n"
+        finally:
+            job.cancel.set()  # a disconnected client cancels its generation (or its place in the queue)
+            release()
+
+
+async def _read_json(request: Request, limit: int) -> dict:
+    """The request body as a JSON object; 413 above ``limit`` bytes (the rest is drained, not kept)."""
+    size, body = 0, bytearray()
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > 64 * limit:
+        raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {limit}", code="body_too_large")
+    async for part in request.stream():
+        size += len(part)
+        if size <= limit:
+            body += part
+    if size > limit:
+        raise ApiError(413, f"request body of {size} bytes exceeds the limit of {limit}", code="body_too_large")
+    try:
+        data = json.loads(body)
+    except ValueError as e:
+        raise ApiError(400, f"the body is not valid JSON ({e})", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    return data
+
+
+def _parse(model: type[_Sampling], data: dict) -> _Sampling:
+    try:
+        req = model.model_validate(data)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+    req.check()
+    return req
+
+
+def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> FastAPI:
+    """The FastAPI app serving ``engine``; the decode worker starts and stops with the app's lifespan."""
+    server = Server(engine, settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server._inflight = asyncio.Semaphore(settings.max_inflight)
+        server.worker.start()
+        yield
+        server.worker.stop()
+
+    app = FastAPI(title="detinfer", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next):
+        if settings.api_key is not None:
+            header = request.headers.get("authorization", "")
+            given = header[7:] if header[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(given.encode(), settings.api_key.encode()):
+                return ApiError(401, "missing or invalid API key (Authorization: Bearer KEY)", code="invalid_api_key").response()
+        return await call_next(request)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError):
+        return e.response()
+
+    @app.exception_handler(DetinferError)
+    async def detinfer_error(request: Request, e: DetinferError):
+        return ApiError(400, str(e), code=type(e).__name__).response()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": server.model_id, "admitted": server.admitted, "max_queue": settings.max_queue}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.model_id, "object": "model", "created": 0, "owned_by": "detinfer"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await server.serve(request, _parse(ChatRequest, await _read_json(request, settings.max_body_bytes)))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await server.serve(request, _parse(CompletionRequest, await _read_json(request, settings.max_body_bytes)))
+
+    return app
