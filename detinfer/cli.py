@@ -329,7 +329,7 @@ def session_run(
 
 @app.command()
 def replay(
-    session: Annotated[Path, typer.Argument(help="Recorded session file.")],
+    session: Annotated[Path, typer.Argument(help="A recorded session file, or a folder of them (e.g. serve --record DIR).")],
     model: ModelOpt = None,
     threads: ThreadsOpt = None,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Recompute every prefix from scratch.")] = False,
@@ -340,48 +340,62 @@ def replay(
     cache_bytes: CacheBytesOpt = DEFAULT_CACHE_BYTES,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """Re-execute every turn of a recorded session; exit 0 all match, 1 any mismatch, 2 bad input."""
+    """Re-execute every turn of recorded sessions; exit 0 all match, 1 any mismatch, 2 bad input."""
     import json as _json
 
     from .engine import Engine, set_threads
     from .prefix_cache import PrefixCache
     from .session import load_script, load_session, replay_turns, run_session
 
+    warn = lambda msg: err.print(f"[yellow]warning:[/] {escape(msg)}")  # noqa: E731
+    rows = []
     try:
         set_threads(threads)
-        record = load_session(session)
+        files = sorted(session.glob("*.json")) if session.is_dir() else [session]
+        if not files:
+            raise InputError(f"no session files (*.json) in {session}")
+        if (then is not None or until is not None or kv_dir is not None) and len(files) > 1:
+            raise InputError("--until, --then and --kv-dir apply to one session file, not a folder")
         if then is not None and until is None:
             raise InputError("--then needs --until N (the turn to branch after)")
-        if until is not None and not 0 <= until <= len(record.turns):
-            raise InputError(f"--until {until} is out of range; the session has {len(record.turns)} turns")
-        engine = Engine.load(model or record.model.registry_name or record.informative.get("model_path"),
-                             n_ctx=record.engine.n_ctx, kv_type=record.engine.kv_type)
-        if then is not None:
-            sc = load_script(then)
-            prior = record.model_copy(update={"turns": record.turns[:until]})
-            run_session(engine, sc.turns, sc.sampling, prior=prior, out=out_path, on_turn=_turn_line, prefix_cache=PrefixCache(cache_bytes))
-            err.print(f"replayed {until} turn(s) exactly, then ran {len(sc.turns)} new turn(s)"
-                      + (f"; session: {escape(str(out_path))}" if out_path else ""))
-            return
-        results = replay_turns(engine, record, use_cache=not no_cache, kv_dir=kv_dir, until=until, prefix_cache=PrefixCache(cache_bytes),
-                               warn=lambda msg: err.print(f"[yellow]warning:[/] {escape(msg)}"))
+        records = [(f, load_session(f)) for f in files]
+        engines: dict[tuple, Engine] = {}
+        prefix_cache = PrefixCache(cache_bytes)
+        for f, record in records:
+            if until is not None and not 0 <= until <= len(record.turns):
+                raise InputError(f"--until {until} is out of range; the session has {len(record.turns)} turns")
+            key = (record.model.sha256, record.engine.n_ctx, record.engine.kv_type)
+            if key not in engines:
+                engines.clear()  # one model in memory at a time
+                engines[key] = Engine.load(model or record.model.registry_name or record.informative.get("model_path"),
+                                           n_ctx=record.engine.n_ctx, kv_type=record.engine.kv_type)
+                prefix_cache = PrefixCache(cache_bytes)
+            engine = engines[key]
+            if then is not None:
+                sc = load_script(then)
+                prior = record.model_copy(update={"turns": record.turns[:until]})
+                run_session(engine, sc.turns, sc.sampling, prior=prior, out=out_path, on_turn=_turn_line, prefix_cache=prefix_cache)
+                err.print(f"replayed {until} turn(s) exactly, then ran {len(sc.turns)} new turn(s)"
+                          + (f"; session: {escape(str(out_path))}" if out_path else ""))
+                return
+            results = replay_turns(engine, record, use_cache=not no_cache, kv_dir=kv_dir, until=until,
+                                   prefix_cache=prefix_cache, warn=warn)
+            for i, ((actual, diffs, step), expected) in enumerate(zip(results, record.turns), start=1):
+                row = {"session": str(f), "turn": i, "result": "match" if not diffs else "mismatch", "differs": diffs,
+                       "first_divergent_step": step, "reused_tokens": actual.reused_tokens, "steps": len(actual.generated_token_ids)}
+                if diffs and step is not None:
+                    pick = lambda ids: (ids[step], engine.tokenizer.decode([ids[step]])) if step < len(ids) else (None, "")  # noqa: E731
+                    row["expected"], row["actual"] = pick(expected.generated_token_ids), pick(actual.generated_token_ids)
+                rows.append(row)
     except DetinferError as e:
         _fail(e)
-    rows = []
-    for i, ((actual, diffs, step), expected) in enumerate(zip(results, record.turns), start=1):
-        row = {"turn": i, "result": "match" if not diffs else "mismatch", "differs": diffs, "first_divergent_step": step,
-               "reused_tokens": actual.reused_tokens, "steps": len(actual.generated_token_ids)}
-        if diffs and step is not None:
-            pick = lambda ids: (ids[step], engine.tokenizer.decode([ids[step]])) if step < len(ids) else (None, "")  # noqa: E731
-            row["expected"], row["actual"] = pick(expected.generated_token_ids), pick(actual.generated_token_ids)
-        rows.append(row)
     if as_json:
         out.print(_json.dumps(rows), soft_wrap=True, markup=False)
     else:
-        table = Table("turn", "result", "steps", "reused", "first divergent step", "differs")
+        table = Table("session", "turn", "result", "steps", "reused", "first divergent step", "differs")
         for r in rows:
-            table.add_row(str(r["turn"]), f"[{'green' if r['result'] == 'match' else 'red'}]{r['result']}[/]", str(r["steps"]),
-                          str(r["reused_tokens"]), "" if r["first_divergent_step"] is None else str(r["first_divergent_step"]),
+            table.add_row(escape(Path(r["session"]).name), str(r["turn"]), f"[{'green' if r['result'] == 'match' else 'red'}]{r['result']}[/]",
+                          str(r["steps"]), str(r["reused_tokens"]), "" if r["first_divergent_step"] is None else str(r["first_divergent_step"]),
                           escape(", ".join(r["differs"])) + (escape(f" expected {r['expected']} got {r['actual']}") if "expected" in r else ""))
         out.print(table)
     raise typer.Exit(1 if any(r["differs"] for r in rows) else 0)

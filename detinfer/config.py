@@ -5,6 +5,7 @@ Key names follow the GGUF spec (https://github.com/ggml-org/ggml/blob/master/doc
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .errors import ConfigError, GGUFError
@@ -58,43 +59,56 @@ class ModelConfig:
                 f"{mf.path.name}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
 
-        def key(name: str, default=None):
+        def key(name: str, default=None, kind: type = int):
+            """The value of ``{arch}.{name}`` as ``kind``: an int must be stored as an integer, a float as a finite
+            number; a list, string, bool or fractional value is rejected, never truncated."""
             full = f"{arch}.{name}"
-            if full in mf.metadata:
-                return mf.metadata[full]
-            if default is None:
-                raise ConfigError(f"{mf.path.name}: metadata key {full!r} is missing")
-            return default
+            if full not in mf.metadata:
+                if default is None:
+                    raise ConfigError(f"{mf.path.name}: metadata key {full!r} is missing")
+                return default
+            value = mf.metadata[full]
+            if kind is int and isinstance(value, int) and not isinstance(value, bool):
+                return value
+            if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                return float(value)
+            expected = "an integer" if kind is int else "a finite number"
+            raise ConfigError(f"{mf.path.name}: metadata key {full!r} is {value!r:.60}, expected {expected}")
 
         try:
-            n_embd = int(key("embedding_length"))
-            n_head = int(key("attention.head_count"))
+            n_embd = key("embedding_length")
+            n_head = key("attention.head_count")
             embd = mf.tensor("token_embd.weight")
         except GGUFError as e:
             raise ConfigError(str(e)) from None
-        if n_head <= 0 or n_embd % n_head:
+        if n_embd <= 0 or n_head <= 0 or n_embd % n_head:
             raise ConfigError(f"{mf.path.name}: embedding_length {n_embd} is not divisible by head_count {n_head}")
-        n_head_kv = int(key("attention.head_count_kv", n_head))
+        n_head_kv = key("attention.head_count_kv", n_head)
         if n_head_kv <= 0 or n_head % n_head_kv:
             raise ConfigError(f"{mf.path.name}: head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
-        head_dim = int(key("attention.key_length", n_embd // n_head))
-        if head_dim % 2:
+        head_dim = key("attention.key_length", n_embd // n_head)
+        if head_dim <= 0 or head_dim % 2:
             raise ConfigError(f"{mf.path.name}: head_dim {head_dim} must be even for RoPE")
         cfg = cls(
             arch=arch,
-            n_vocab=int(key("vocab_size", embd.ne[1])),
-            n_ctx_train=int(key("context_length")),
+            n_vocab=key("vocab_size", embd.ne[1] if len(embd.ne) > 1 else 0),
+            n_ctx_train=key("context_length"),
             n_embd=n_embd,
-            n_layer=int(key("block_count")),
+            n_layer=key("block_count"),
             n_head=n_head,
             n_head_kv=n_head_kv,
             head_dim=head_dim,
-            n_ff=int(key("feed_forward_length")),
-            rope_freq_base=float(key("rope.freq_base", 10000.0)),
-            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+            n_ff=key("feed_forward_length"),
+            rope_freq_base=key("rope.freq_base", 10000.0, float),
+            rms_norm_eps=key("attention.layer_norm_rms_epsilon", None, float),
             tied_embeddings="output.weight" not in mf.tensors,
         )
         for name in ("n_vocab", "n_ctx_train", "n_layer", "n_ff"):
             if getattr(cfg, name) <= 0:
                 raise ConfigError(f"{mf.path.name}: {name} must be positive, got {getattr(cfg, name)}")
+        if cfg.rope_freq_base <= 0 or cfg.rms_norm_eps < 0:
+            raise ConfigError(
+                f"{mf.path.name}: rope.freq_base {cfg.rope_freq_base} must be > 0 and layer_norm_rms_epsilon "
+                f"{cfg.rms_norm_eps} must be >= 0"
+            )
         return cfg

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import socket
+import subprocess
+import sys
 import statistics
 import threading
 import time
@@ -55,7 +59,8 @@ def record_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(engine, record_dir):
-    running = _Running(create_app(engine, ServerSettings(max_queue=8, max_inflight=4, record_dir=record_dir)))
+    # one decode thread: the test's own client threads share these two cores, and numba's pool spins when waiting
+    running = _Running(create_app(engine, ServerSettings(max_queue=8, max_inflight=4, threads=1, record_dir=record_dir)))
     yield running
     running.stop()
 
@@ -225,3 +230,15 @@ def test_recorded_conversation_replays(server, client, engine, record_dir):
         numba.set_num_threads(before)
     assert [diffs for _, diffs, _ in results] == [[], [], []]
     assert [a.text for a, _, _ in results] == [m["content"] for m in messages[2::2]]
+
+
+def test_replay_of_the_whole_recording_in_a_fresh_process(server, client, record_dir, engine):
+    """Every request the server recorded replays bit for bit in another process at another thread count."""
+    client.chat.completions.create(model="x", messages=[{"role": "user", "content": "One more, recorded."}], seed=3, max_tokens=6)
+    env = dict(os.environ, NUMBA_NUM_THREADS="2")
+    proc = subprocess.run([sys.executable, "-m", "detinfer.cli", "replay", str(record_dir), "--threads", "1", "--json",
+                           "--model", str(engine.model_file.path)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads(proc.stdout)
+    assert rows and all(r["result"] == "match" for r in rows)
+    assert len({r["session"] for r in rows}) == len(list(record_dir.glob("session-*.json")))
