@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-PROMPT ?= The capital of France is
+PROMPT ?= Give me three tips for staying healthy.
 
 .PHONY: run test verify bench manifests golden-update install pull clean
 
@@ -18,7 +18,8 @@ pull: $(STAMP)
 	$(BIN)/detinfer pull
 
 run: pull
-	$(BIN)/detinfer run --prompt "$(PROMPT)" --max-tokens 48 --out run.json
+	$(BIN)/detinfer run --chat --prompt "$(PROMPT)" --max-tokens 128 --out run.json
+	$(BIN)/detinfer run --manifest run.json --quiet
 
 test: pull
 	$(BIN)/python -m pytest -q

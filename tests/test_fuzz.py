@@ -97,7 +97,7 @@ def test_template_cannot_reach_python_internals(source: str) -> None:
     ("source", "needle"),
     [
         ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "operations"),
-        ("{% for i in range(10**9) %}{% endfor %}", "range"),
+        ("{% for i in range(1000000) %}{% endfor %}", "range"),
         ("{{ 'a' * 1000000000 }}", "limit"),
         ("{{ 2 ** 100000000 }}", "exponent"),
         ("{{ 'x' | center(1000000000) }}", "limit"),
