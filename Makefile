@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= Give me three tips for staying healthy.
 
-.PHONY: run test verify bench manifests golden-update install pull clean
+.PHONY: run test verify bench fuzz manifests golden-update install pull clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,9 @@ golden-update: pull
 
 bench: pull
 	$(BIN)/python -m detinfer.bench --out bench/results.json
+
+fuzz: pull
+	$(BIN)/python -m detinfer.fuzz --examples 10000 --report docs/reliability.md
 
 clean:
 	rm -rf $(VENV) run.json

@@ -17,7 +17,7 @@ import numpy as np
 from .engine import DEFAULT_CHUNK, Engine
 from .errors import InputError
 from .kvcache import KVCache
-from .sampler import SamplingParams, sample, top_logits
+from .sampler import SamplingParams, log_softmax_at, sample, top_logits
 
 DIGEST_SEED = hashlib.sha256(b"detinfer-logits/1").hexdigest()
 STOP_REASONS = ("eos", "stop", "max_tokens", "length")
@@ -39,6 +39,10 @@ class Step:
     digest: str
     top: list[tuple[int, float]]
     stop_reason: str | None = None
+    # Only with generate(..., logprobs_k=k): log-softmax of the raw logits (sampler.log_softmax_at) at the sampled
+    # token, and the k highest (id, logprob) in top_logits order (highest first, ties by lowest id).
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 @dataclass
@@ -66,6 +70,7 @@ class GenerationResult:
     stop_reason: str | None = None
     digests: list[str] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)  # only with logprobs_k
     kv_sha256: str = ""
     reused_tokens: int = 0
     timings: Timings = field(default_factory=Timings)
@@ -136,6 +141,7 @@ def generate(
     chunk_size: int = DEFAULT_CHUNK,
     cache: KVCache | None = None,
     result: GenerationResult | None = None,
+    logprobs_k: int | None = None,
 ) -> Iterator[Step]:
     """Prefill ``prompt_tokens`` and generate up to ``max_tokens`` tokens, yielding one Step per token.
 
@@ -145,11 +151,15 @@ def generate(
     Stops at an end-of-generation token (not emitted as text; unless ``ignore_eos``), a stop string (its text
     is never emitted), ``max_tokens``, or the end of the context (stop reason "length": a token at position p
     needs p < n_ctx). ``result`` (optional) is filled in as the stream advances, with the final KV digest at the
-    end. Raises InputError for an empty or too-long prompt, or max_tokens < 1.
+    end. ``logprobs_k`` (optional, 0..n_vocab; default off, costing nothing) adds to each sampled Step, and to
+    ``result.logprobs``, the logprob of the sampled token and the ``logprobs_k`` most likely tokens under the raw
+    logits (see Step). Raises InputError for an empty or too-long prompt, or max_tokens < 1.
     """
     check_prompt(engine, prompt_tokens)
     if max_tokens < 1:
         raise InputError(f"--max-tokens must be at least 1, got {max_tokens}")
+    if logprobs_k is not None and (isinstance(logprobs_k, bool) or not isinstance(logprobs_k, int) or logprobs_k < 0):
+        raise InputError(f"logprobs_k must be an int >= 0 or None, got {logprobs_k!r}")
     res = result if result is not None else GenerationResult()
     cache = cache if cache is not None else engine.new_cache()
     reused = reuse_prefix(cache, prompt_tokens)
@@ -175,6 +185,13 @@ def generate(
         token = sample(logits, params, position, history)
         digest = chain_digest(digest, logits)
         top = top_logits(logits, 5)
+        lp, top_lp = None, None
+        if logprobs_k is not None:
+            ranked = top if logprobs_k <= len(top) else top_logits(logits, logprobs_k)
+            ids = [token] + [i for i, _ in ranked[:logprobs_k]]
+            values = log_softmax_at(logits, ids)
+            lp, top_lp = values[0], list(zip(ids[1:], values[1:]))
+            res.logprobs.append((lp, top_lp))
         res.tokens.append(token)
         res.digests.append(digest)
         res.top.append(top)
@@ -192,8 +209,8 @@ def generate(
             res.timings.decode_s = time.perf_counter() - t0
             res.timings.decode_tokens = index
             res.kv_sha256 = cache.digest()
-            yield Step(index, position, token, text, digest, top, reason)
+            yield Step(index, position, token, text, digest, top, reason, lp, top_lp)
             return
-        yield Step(index, position, token, text, digest, top)
+        yield Step(index, position, token, text, digest, top, None, lp, top_lp)
         logits = engine.forward([token], cache)
         index += 1

@@ -535,3 +535,47 @@ def top_logits(logits: np.ndarray, k: int = 5) -> list[tuple[int, float]]:
     kkey, kid = _kth(keys, k, np.zeros(NB, np.int64))
     ids = _candidates(keys, kkey, kid, k)
     return [(int(i), float(logits[i])) for i in ids[_radix_argsort(keys[ids])]]
+
+
+@njit(cache=True)
+def _log_softmax_at(logits, ids, out):
+    """out[j] = log-softmax of float32[n] logits at int64[k] ids, in the fixed order of ``log_softmax_at``."""
+    m = logits[0]
+    for i in range(logits.shape[0]):
+        if logits[i] > m:
+            m = logits[i]
+    m64 = np.float64(m)
+    z = 0.0
+    for i in range(logits.shape[0]):  # id order, float64 accumulator
+        z += np.float64(math.exp(np.float32(np.float64(logits[i]) - m64)))  # float32 glibc expf
+    lz = np.float64(math.log(np.float32(z)))  # float32 glibc logf
+    for j in range(ids.shape[0]):
+        out[j] = (np.float64(logits[ids[j]]) - m64) - lz
+
+
+def log_softmax_at(logits: np.ndarray, ids: Sequence[int]) -> list[float]:
+    """Log-probabilities of ``ids`` under softmax(logits) of raw float32[n_vocab] logits (no penalty, temperature
+    or filters), as float64 values.
+
+    Exact arithmetic (part of the determinism contract), l = logits:
+
+        m      = max_i l_i                                          float32
+        x_i    = f32(f64(l_i) - f64(m))                             one rounding to float32
+        z      = sum over i = 0 .. n-1, in id order, of f64(expf(x_i))    float64 accumulator, sequential
+        lz     = f64(logf(f32(z)))                                  float32 glibc logf, 1 <= z <= n
+        out_j  = (f64(l_id) - f64(m)) - lz                          float64 operations
+
+    expf and logf are float32 glibc calls through numba, identical on every compile target and with glibc's
+    FMA paths off (NUMERICS.md; float64 log is not). The top token's value is -lz <= 0; a -inf logit gives -inf.
+    Raises InputError for logits that are not a non-empty 1-D float32 array, hold NaN, +inf or only -inf, or an
+    id outside [0, n_vocab).
+    """
+    logits = _check_logits(logits)
+    _argmax_checked(logits)
+    idx = np.asarray(list(ids), dtype=np.int64).reshape(-1)
+    n = logits.shape[0]
+    if idx.size and (idx.min() < 0 or idx.max() >= n):
+        raise InputError(f"log_softmax_at: token id outside the vocabulary [0, {n})")
+    out = np.empty(idx.shape[0], np.float64)
+    _log_softmax_at(logits, idx, out)
+    return [float(v) for v in out]

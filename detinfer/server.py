@@ -9,6 +9,16 @@ Determinism: output depends only on (prompt token ids, temperature, top_p, seed,
 queueing, streaming or the prefix cache (reuse is exact, see prefix_cache.py). Defaults follow OpenAI where it has
 one: temperature 1, top_p 1; ``seed`` defaults to 0 (OpenAI has no fixed default), max tokens to the rest of the
 context for chat and 16 for /v1/completions.
+
+Logprobs (chat ``logprobs`` + ``top_logprobs`` 0..20, completions ``logprobs`` 0..5) are those of the model's raw
+next-token distribution: the log-softmax of the unmodified logits, before temperature and top-p, with the fixed
+summation order of ``sampler.log_softmax_at``; so they do not depend on the sampling parameters and the greedy token
+is always top-1. Top lists are highest first, ties by lowest token id. There is one entry per sampled token
+(``usage.completion_tokens`` of them), including an end-of-generation token and the tokens of a stop string, whose
+text is not in the content. Completions' ``top_logprobs`` also hold the sampled token (OpenAI's "up to logprobs + 1"),
+keyed by token text (the first, higher-ranked entry wins if two tokens share a text); ``text_offset`` counts
+characters of the returned completion text. A -inf logprob is reported as -9999.0 (JSON has no infinity). Computed
+only when requested; streaming carries each token's entry in the chunk of its step (possibly with empty text).
 """
 
 from __future__ import annotations
@@ -156,30 +166,37 @@ class ChatRequest(_Sampling):
     tool_choice: Literal["none", "auto"] | None = None  # "required" / a named function cannot be enforced
     parallel_tool_calls: bool | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
     def check(self) -> None:
         super().check()
-        if self.logprobs or self.top_logprobs is not None:
-            param = "logprobs" if self.logprobs else "top_logprobs"
-            raise ApiError(400, f"{param} is not supported by this server", param=param, code="unsupported_parameter")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs", code="invalid_value")
+
+    @property
+    def logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int]
     echo: bool | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)
     suffix: str | None = None
     best_of: int | None = None
 
     def check(self) -> None:
         super().check()
-        for name, ok in (("echo", not self.echo), ("logprobs", self.logprobs is None), ("suffix", self.suffix is None),
+        for name, ok in (("echo", not self.echo), ("suffix", self.suffix is None),
                          ("best_of", self.best_of in (None, 1))):  # fmt: skip
             if not ok:
                 raise ApiError(400, f"{name} is not supported by this server", param=name, code="unsupported_parameter")
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
             raise ApiError(400, "prompt: only one prompt per request", param="prompt", code="unsupported_value")
+
+    @property
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
 
 
 # --------------------------------------------------------------------------------------------- decode worker
@@ -196,6 +213,7 @@ class Job:
     emit: Callable[[tuple[str, Any]], None]
     stream: bool
     record: dict[str, Any] | None = None  # messages and note for the session recorder
+    logprobs_k: int | None = None  # None: no logprobs; else the top list's length (generate's logprobs_k)
     cancel: threading.Event = field(default_factory=threading.Event)
 
 
@@ -293,10 +311,11 @@ class Worker:
             cache.restore(snap, k)
         res = GenerationResult()
         t0 = time.perf_counter()
-        for step in generate(self.engine, prompt, job.params, max_tokens=job.max_tokens, stop=job.stop, cache=cache, result=res):
+        for step in generate(self.engine, prompt, job.params, max_tokens=job.max_tokens, stop=job.stop, cache=cache, result=res,
+                             logprobs_k=job.logprobs_k):  # fmt: skip
             if job.cancel.is_set():
                 return  # client gone: the partial cache is still an exact prefix for later requests
-            if job.stream:
+            if job.stream or job.logprobs_k is not None:  # non-streaming logprobs are built from the same steps
                 job.emit(("step", step))
         seconds = time.perf_counter() - t0
         self.prefix.store(cache)
@@ -412,7 +431,7 @@ class Server:
             loop = asyncio.get_running_loop()
             events: asyncio.Queue = asyncio.Queue()
             job = Job(prompt, params, max_tokens, req.stops, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
-                      stream=bool(req.stream), record=record)  # fmt: skip
+                      stream=bool(req.stream), record=record, logprobs_k=req.logprobs_k)  # fmt: skip
             self.worker.jobs.put(job)
         except BaseException:
             release_once()
@@ -423,6 +442,7 @@ class Server:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(self._sse(job, events, meta, chat, include_usage, len(prompt), release_once),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})  # fmt: skip
+        steps: list[Step] = []
         try:
             while True:
                 try:
@@ -434,6 +454,8 @@ class Server:
                     continue
                 if kind == "error":
                     raise payload
+                if kind == "step":
+                    steps.append(payload)
                 if kind == "done":
                     break
         finally:
@@ -442,9 +464,37 @@ class Server:
         res: GenerationResult = payload
         body = dict(meta, object="chat.completion" if chat else "text_completion", usage=self._usage(len(prompt), res))
         choice = {"index": 0, "finish_reason": FINISH[res.stop_reason], "logprobs": None}
+        if job.logprobs_k is not None:
+            choice["logprobs"] = self._logprobs(chat, steps, 0)
         choice.update({"message": {"role": "assistant", "content": res.text}} if chat else {"text": res.text})
         body["choices"] = [choice]
         return JSONResponse(body, headers={"x-detinfer-output-sha256": tokens_sha256(res.tokens), "x-detinfer-kv-sha256": res.kv_sha256})
+
+    def _logprobs(self, chat: bool, steps: list[Step], offset: int) -> dict:
+        """The ``logprobs`` object of a choice (or chunk) for the sampled steps in ``steps``; ``offset``: characters of
+        completion text before the first of them."""
+        tok = self.engine.tokenizer
+
+        def entry(token_id: int, logprob: float) -> dict:
+            b = tok.token_bytes(token_id)
+            return {"token": b.decode("utf-8", errors="replace"), "logprob": _finite(logprob), "bytes": list(b)}
+
+        if chat:
+            content = [dict(entry(s.token, s.logprob), top_logprobs=[entry(i, v) for i, v in s.top_logprobs])
+                       for s in steps if s.token is not None]  # fmt: skip
+            return {"content": content, "refusal": None}
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for s in steps:
+            if s.token is not None:
+                top: dict[str, float] = {}
+                for i, v in [*s.top_logprobs, (s.token, s.logprob)]:  # the sampled token too: up to logprobs + 1
+                    top.setdefault(entry(i, v)["token"], _finite(v))
+                out["tokens"].append(entry(s.token, s.logprob)["token"])
+                out["token_logprobs"].append(_finite(s.logprob))
+                out["top_logprobs"].append(top)
+                out["text_offset"].append(offset)
+            offset += len(s.text)
+        return out
 
     @staticmethod
     def _usage(n_prompt: int, res: GenerationResult) -> dict:
@@ -455,11 +505,12 @@ class Server:
                    release: Callable[[], None]):  # fmt: skip
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(delta: dict | None, text: str | None, finish: str | None, **extra) -> str:
-            choice = {"index": 0, "finish_reason": finish, "logprobs": None}
+        def chunk(delta: dict | None, text: str | None, finish: str | None, logprobs: dict | None = None, **extra) -> str:
+            choice = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
             choice.update({"delta": delta} if chat else {"text": text})
             return "data: " + json.dumps(dict(meta, object=obj, choices=[choice], **extra), ensure_ascii=False) + "\n\n"
 
+        offset = 0  # characters of completion text sent so far (completions' text_offset)
         try:
             if chat:
                 yield chunk({"role": "assistant", "content": ""}, None, None)
@@ -470,8 +521,11 @@ class Server:
                     break
                 if kind == "step":
                     step: Step = payload
-                    if step.text:
+                    if job.logprobs_k is not None and step.token is not None:
+                        yield chunk({"content": step.text}, step.text, None, self._logprobs(chat, [step], offset))
+                    elif step.text:
                         yield chunk({"content": step.text}, step.text, None)
+                    offset += len(step.text)
                     continue
                 res: GenerationResult = payload
                 ext = {"detinfer": {"output_sha256": tokens_sha256(res.tokens), "kv_sha256": res.kv_sha256}}
@@ -483,6 +537,11 @@ class Server:
         finally:
             job.cancel.set()  # a disconnected client cancels its generation (or its place in the queue)
             release()
+
+
+def _finite(logprob: float) -> float:
+    """-inf (a -inf logit) as -9999.0, OpenAI's convention: JSON has no infinity."""
+    return -9999.0 if logprob == float("-inf") else logprob
 
 
 async def _read_json(request: Request, limit: int) -> dict:

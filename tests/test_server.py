@@ -14,13 +14,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import math
 import numba
+import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from detinfer.engine import Engine, set_threads  # noqa: E402
+from detinfer.sampler import log_softmax_at, top_logits  # noqa: E402
 from detinfer.server import ServerSettings, create_app  # noqa: E402
 from detinfer.session import load_session, replay_turns  # noqa: E402
 
@@ -133,7 +136,11 @@ def test_tool_messages_accepted(client):
     ({"n": 2}, "n"),
     ({"top_p": 2}, "top_p"),
     ({"temperature": -0.1}, "temperature"),
-    ({"logprobs": True}, "logprobs"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"logprobs": False, "top_logprobs": 0}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ({"extra_body": {"logprobs": 3}}, "logprobs"),
     ({"extra_body": {"top_k": 5}}, "top_k"),
     ({"extra_body": {"repetition_penalty": 1.1}}, "repetition_penalty"),
 ])
@@ -142,6 +149,127 @@ def test_bad_parameters_are_400(client, extra, param):
         client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=2, **extra)
     err = info.value.response.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == param, err
+
+
+@pytest.mark.parametrize("value", [6, -1, True])
+def test_bad_completion_logprobs_are_400(client, value):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="x", prompt="hi", max_tokens=2, logprobs=value)
+    err = info.value.response.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == "logprobs", err
+
+
+# --------------------------------------------------------------------------------------------- logprobs
+
+
+def test_log_softmax_at_kernel():
+    rng = np.random.default_rng(3)
+    logits = (rng.standard_normal(49152) * 4).astype(np.float32)
+    logits[[5, 9]] = logits.max() + 1  # a tie at the top
+    logits[7] = -np.inf
+    ids = [i for i, _ in top_logits(logits, 20)]
+    assert ids[:2] == [5, 9]
+    got = log_softmax_at(logits, ids + [7])
+    x = logits.astype(np.float64)
+    ref = x[ids] - (x.max() + np.log(np.exp(x - x.max()).sum()))
+    assert np.allclose(got[:-1], ref, rtol=0, atol=1e-5) and got[-1] == -np.inf
+    assert got[0] == got[1] and all(a >= b for a, b in zip(got, got[1:-1]))
+    assert sum(math.exp(v) for v in got[:-1]) <= 1.0
+    assert log_softmax_at(logits, ids) == got[:-1]  # same bits, call after call
+    one = np.full(10, -np.inf, np.float32)
+    one[4] = 3.0
+    assert log_softmax_at(one, [4, 0]) == [0.0, -np.inf]
+
+
+def _chat_logprobs(client, content, stream=False, **kw):
+    kw = dict(dict(temperature=0.8, seed=7, max_tokens=12, logprobs=True, top_logprobs=5), **kw)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}]
+    if not stream:
+        raw = client.chat.completions.with_raw_response.create(model="x", messages=messages, **kw)
+        return raw.parse(), raw.http_response.json()["choices"][0]["logprobs"]
+    entries = []
+    text = ""
+    for c in client.chat.completions.create(model="x", messages=messages, stream=True, **kw):
+        if c.choices and c.choices[0].logprobs is not None:
+            entries += [e.model_dump() for e in c.choices[0].logprobs.content]
+        if c.choices:
+            text += c.choices[0].delta.content or ""
+    return text, entries
+
+
+def _check_entries(content, k):
+    for e in content:
+        assert bytes(e["bytes"]).decode("utf-8", errors="replace") == e["token"]
+        assert e["logprob"] <= 0.0 and len(e["top_logprobs"]) == k
+        tops = [t["logprob"] for t in e["top_logprobs"]]
+        assert all(t <= 0.0 for t in tops) and tops == sorted(tops, reverse=True)
+        assert sum(math.exp(t) for t in tops) <= 1.0 + 1e-6
+        same = [t for t in e["top_logprobs"] if t["bytes"] == e["bytes"]]
+        if same:
+            assert e["logprob"] in [t["logprob"] for t in same]
+        if tops:
+            assert e["logprob"] <= tops[0]
+            if e["logprob"] > tops[-1]:  # strictly above the k-th: the sampled token is in the list
+                assert same
+
+
+def test_chat_logprobs_stream_equals_nonstream_and_repeats(client):
+    r1, lp1 = _chat_logprobs(client, "Name a fruit.")
+    r2, lp2 = _chat_logprobs(client, "Name a fruit.")
+    assert json.dumps(lp1) == json.dumps(lp2)  # identical bytes, cold vs warm prefix cache
+    assert r1.choices[0].logprobs.refusal is None and lp1["refusal"] is None
+    content = lp1["content"]
+    assert len(content) == r1.usage.completion_tokens
+    _check_entries(content, 5)
+    text, streamed = _chat_logprobs(client, "Name a fruit.", stream=True)
+    assert text == r1.choices[0].message.content
+    assert json.dumps(streamed, sort_keys=True) == json.dumps(content, sort_keys=True)
+    plain, _ = chat(client, "Name a fruit.")  # logprobs change nothing else
+    assert plain.choices[0].message.content == r1.choices[0].message.content and plain.choices[0].logprobs is None
+    r0, lp0 = _chat_logprobs(client, "Name a fruit.", top_logprobs=None)  # logprobs without top_logprobs: k = 0
+    assert [e["logprob"] for e in lp0["content"]] == [e["logprob"] for e in content]
+    assert all(e["top_logprobs"] == [] for e in lp0["content"])
+
+
+def test_chat_greedy_token_is_top1_of_top20(client):
+    r, lp = _chat_logprobs(client, "Count to five.", temperature=0, top_logprobs=20, max_tokens=16)
+    content = lp["content"]
+    assert len(content) == r.usage.completion_tokens >= 1
+    _check_entries(content, 20)
+    for e in content:
+        top = e["top_logprobs"][0]
+        assert (e["bytes"], e["logprob"]) == (top["bytes"], top["logprob"])
+    # the raw distribution: the same logprobs at another temperature for the same tokens (first token: same prompt)
+    _, hot = _chat_logprobs(client, "Count to five.", temperature=1.5, top_logprobs=20, max_tokens=1, seed=99)
+    assert hot["content"][0]["top_logprobs"] == content[0]["top_logprobs"]
+
+
+def test_completions_logprobs(client):
+    kw = dict(model="x", prompt="The capital of France is", temperature=0.8, max_tokens=8, seed=1, logprobs=3)
+    raw = client.completions.with_raw_response.create(**kw)
+    r = raw.parse()
+    lp = raw.http_response.json()["choices"][0]["logprobs"]
+    n = r.usage.completion_tokens
+    assert [len(lp[key]) for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")] == [n] * 4
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    assert lp["text_offset"][-1] <= len(r.choices[0].text)
+    for token, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert value <= 0.0 and 1 <= len(top) <= 4 and top[token] == value
+        values = list(top.values())
+        assert all(v <= 0.0 for v in values) and values[:3] == sorted(values[:3], reverse=True)
+    raw2 = client.completions.with_raw_response.create(**kw)
+    assert json.dumps(raw2.http_response.json()["choices"][0]["logprobs"]) == json.dumps(lp)
+    merged = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    text = ""
+    for c in client.completions.create(stream=True, **kw):
+        if c.choices:
+            text += c.choices[0].text
+            if c.choices[0].logprobs is not None:
+                for key in merged:
+                    merged[key] += getattr(c.choices[0].logprobs, key)
+    assert text == r.choices[0].text and json.dumps(merged) == json.dumps(lp)
+    greedy = client.completions.create(**dict(kw, temperature=0, logprobs=0)).choices[0].logprobs
+    assert all(list(t) == [tok] for t, tok in zip(greedy.top_logprobs, greedy.tokens))
 
 
 def test_prompt_too_long_and_huge_body(server, client):
