@@ -20,7 +20,6 @@ import argparse
 import copy
 import json
 import os
-import random
 import struct
 import subprocess
 import sys
