@@ -15,6 +15,7 @@ continuing gives the same bytes as never having stopped, because the cache's con
 from __future__ import annotations
 
 import hashlib
+import mmap
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -172,8 +173,15 @@ class KVCache:
         self.n_ctx = n_ctx
         self.n_layer, self.n_head_kv, self.head_dim = cfg.n_layer, cfg.n_head_kv, cfg.head_dim
         dtype = KV_TYPES[self.kv_type]
-        self.k = [np.zeros((cfg.n_head_kv, cfg.head_dim, n_ctx), dtype) for _ in range(cfg.n_layer)]
-        self.v = [np.zeros((cfg.n_head_kv, n_ctx, cfg.head_dim), dtype) for _ in range(cfg.n_layer)]
+        # One anonymous mapping for every layer: zero pages cost no memory until written. Small pages only: with
+        # transparent huge pages, writing one position of the transposed K rows would commit every 2 MB page.
+        per_layer = cfg.n_head_kv * cfg.head_dim * n_ctx
+        buf = mmap.mmap(-1, 2 * cfg.n_layer * per_layer * np.dtype(dtype).itemsize)
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):
+            buf.madvise(mmap.MADV_NOHUGEPAGE)
+        block = np.frombuffer(buf, dtype).reshape(2 * cfg.n_layer, per_layer)
+        self.k = [block[i].reshape(cfg.n_head_kv, cfg.head_dim, n_ctx) for i in range(cfg.n_layer)]
+        self.v = [block[cfg.n_layer + i].reshape(cfg.n_head_kv, n_ctx, cfg.head_dim) for i in range(cfg.n_layer)]
         self.tokens: list[int] = []
         # float16 -> float32 decode table for the kernels (a 1-element dummy for f32 storage)
         self.lut = F16_TO_F32 if self.kv_type == "f16" else np.zeros(1, np.float32)
