@@ -31,9 +31,21 @@ def _stats(samples: list[float]) -> dict[str, float]:
     return {"median": round(statistics.median(samples), 2), "min": round(min(samples), 2), "max": round(max(samples), 2)}
 
 
-def _busy_warning() -> str | None:
-    load = os.getloadavg()[0]
-    return f"load average {load:.2f}: another process may be using a core" if load > 0.5 else None
+def _cpu_times() -> tuple[int, int]:
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(fields), fields[3] + fields[4]  # total, idle + iowait
+
+
+def _busy_warning(window_s: float = 0.3) -> str | None:
+    """A warning if other processes keep a core busy right now (2-thread numba runs slow down many-fold then)."""
+    try:
+        total0, idle0 = _cpu_times()
+        time.sleep(window_s)
+        total1, idle1 = _cpu_times()
+    except OSError:
+        return None
+    busy = (os.cpu_count() or 1) * (1 - (idle1 - idle0) / max(1, total1 - total0))
+    return f"{busy:.1f} cores busy before a run: figures may be low" if busy > 0.3 else None
 
 
 def worker(model: str | None, threads: int, repeats: int) -> dict:
