@@ -170,6 +170,9 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
+ROLES = ("system", "user", "assistant", "tool")  # roles a conversation file or session may use
+
+
 def validate_messages(messages: Any, *, where: str = "messages") -> list[dict[str, Any]]:
     """Check ``messages`` is a non-empty list of dicts with string ``role`` and string ``content``.
 
@@ -209,7 +212,11 @@ def load_messages(path: str | os.PathLike) -> list[dict[str, Any]]:
         messages = json.loads(text)
     except json.JSONDecodeError as e:
         raise InputError(f"{path}: invalid JSON at line {e.lineno} column {e.colno} ({e.msg})") from None
-    return validate_messages(messages, where=str(path))
+    messages = validate_messages(messages, where=str(path))
+    for i, m in enumerate(messages):
+        if m["role"] not in ROLES:
+            raise InputError(f"{path}: message {i} has role {m['role']!r}; use one of {', '.join(ROLES)}")
+    return messages
 
 
 class ChatTemplate:

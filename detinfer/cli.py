@@ -22,8 +22,9 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Determinism-first LLM inference: bit-identical GGUF inference on the CPU, with run manifests that prove it.",
 )
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+# Not a terminal (pipes, CI logs): a wide fixed width, so tables and summaries are not cut or wrapped at 80 columns.
+out = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 200)
 
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Registry name or path to a .gguf file.")]
 CtxOpt = Annotated[int, typer.Option("--ctx", help="KV cache positions (n_ctx), at most the model's context length.")]
@@ -78,6 +79,8 @@ def info(
     try:
         mf = ModelFile(resolve_model(model))
         cfg = ModelConfig.from_model(mf)
+        if not 1 <= ctx <= cfg.n_ctx_train:
+            raise InputError(f"--ctx {ctx} is out of range; this model supports 1..{cfg.n_ctx_train} positions")
     except DetinferError as e:
         _fail(e)
     table = Table("key", "value", title=escape(mf.path.name))
@@ -96,6 +99,11 @@ def info(
     out.print(f"kv_width = n_head_kv × head_dim = {cfg.n_head_kv} × {cfg.head_dim} = {cfg.kv_width}; n_layer = {cfg.n_layer}")
 
 
+# run options a manifest records: passing them with --manifest would be silently ignored, so it is an error
+_RECORDED_OPTIONS = {"prompt", "prompt_file", "messages", "chat", "max_tokens", "temperature", "top_k", "top_p", "min_p",
+                     "repeat_penalty", "repeat_last_n", "seed", "stop", "ignore_eos", "ctx", "kv_type"}
+
+
 def _read_prompt_file(path: Path) -> str:
     try:
         data = path.read_bytes()
@@ -109,6 +117,7 @@ def _read_prompt_file(path: Path) -> str:
 
 @app.command()
 def run(
+    cli_ctx: typer.Context,
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text.")] = None,
     prompt_file: Annotated[Optional[Path], typer.Option("--prompt-file", help="Read the prompt from a UTF-8 file.")] = None,
     messages: Annotated[Optional[Path], typer.Option("--messages", help="JSON file with a list of {role, content}.")] = None,
@@ -148,9 +157,13 @@ def run(
     try:
         parse_kv_type(kv_type)
         set_threads(threads)
+        if chunk_size < 1:
+            raise InputError(f"--chunk-size must be at least 1, got {chunk_size}")
         if manifest is not None:
-            if prompt is not None or prompt_file is not None or messages is not None:
-                raise InputError("--manifest re-executes a recorded prompt; do not also pass --prompt/--prompt-file/--messages")
+            given = [p.opts[0] for p in cli_ctx.command.params
+                     if p.name in _RECORDED_OPTIONS and getattr(cli_ctx.get_parameter_source(p.name), "name", "") == "COMMANDLINE"]
+            if given:
+                raise InputError(f"--manifest re-executes the recorded inputs and settings; drop {', '.join(given)}")
             recorded = load_manifest(manifest)
             engine = engine_for_manifest(recorded, model)
             actual, comparison = reexecute(recorded, engine, chunk_size=chunk_size, on_step=stream)
@@ -356,13 +369,15 @@ def replay(
             raise InputError(f"no session files (*.json) in {session}")
         if (then is not None or until is not None or kv_dir is not None) and len(files) > 1:
             raise InputError("--until, --then and --kv-dir apply to one session file, not a folder")
-        if then is not None and until is None:
-            raise InputError("--then needs --until N (the turn to branch after)")
+        if then is not None and (until is None or out_path is None):
+            raise InputError("--then needs --until N (the turn to branch after) and --out FILE (where the new session goes)")
+        if out_path is not None and then is None:
+            raise InputError("--out is where --then writes the branched session; replay itself writes nothing")
         records = [(f, load_session(f)) for f in files]
         engines: dict[tuple, Engine] = {}
         prefix_cache = PrefixCache(cache_bytes)
         for f, record in records:
-            if until is not None and not 0 <= until <= len(record.turns):
+            if until is not None and not 1 <= until <= len(record.turns):
                 raise InputError(f"--until {until} is out of range; the session has {len(record.turns)} turns")
             key = (record.model.sha256, record.engine.n_ctx, record.engine.kv_type)
             if key not in engines:
@@ -374,7 +389,8 @@ def replay(
             if then is not None:
                 sc = load_script(then)
                 prior = record.model_copy(update={"turns": record.turns[:until]})
-                run_session(engine, sc.turns, sc.sampling, prior=prior, out=out_path, on_turn=_turn_line, prefix_cache=prefix_cache)
+                run_session(engine, sc.turns, sc.sampling, prior=prior, out=out_path, prefix_cache=prefix_cache,
+                            on_step=_stream(False), on_turn=lambda i, rec: (sys.stdout.write("\n"), _turn_line(i, rec)))
                 err.print(f"replayed {until} turn(s) exactly, then ran {len(sc.turns)} new turn(s)"
                           + (f"; session: {escape(str(out_path))}" if out_path else ""))
                 return
@@ -444,6 +460,7 @@ def chat(
 @kv_app.command("inspect")
 def kv_inspect(path: Annotated[Path, typer.Argument(help=".detkv file")]) -> None:
     """Show a KV snapshot's header, model, tokens, sizes and checksum status."""
+    from .errors import KVFileError
     from .kvfile import inspect_kv
 
     try:
@@ -455,6 +472,8 @@ def kv_inspect(path: Annotated[Path, typer.Argument(help=".detkv file")]) -> Non
         text = str(v)
         table.add_row(k, escape(text if len(text) <= 120 else text[:117] + "…"))
     out.print(table)
+    if info_.get("checksum") != "ok":
+        _fail(KVFileError(f"{path}: checksum mismatch; the file is corrupt and would be refused"))
 
 
 @app.command()
@@ -495,7 +514,7 @@ def _summary(m, out_path: Optional[Path]) -> None:
     t = m.informative.timings
     err.print(
         f"[dim]{len(m.output.token_ids)} tokens, stop: {m.output.stop_reason}; prefill {t.get('prefill_tok_s', 0)} tok/s, "
-        f"decode {t.get('decode_tok_s', 0)} tok/s, {m.informative.threads} threads; KV {m.output.kv_sha256[:16]}…"
+        f"decode {t.get('decode_tok_s', 0)} tok/s, threads {m.informative.threads}; KV {m.output.kv_sha256[:16]}…"
         + (f"; manifest: {escape(str(out_path))}" if out_path else "")
         + "[/]"
     )

@@ -180,12 +180,12 @@ def compare(expected: RunManifest, actual: RunManifest) -> Comparison:
     check("output.kv_sha256", expected.output.kv_sha256, actual.output.kv_sha256)
     check("output.logits_digests", expected.output.logits_digests, actual.output.logits_digests)
     # a digest differs before the token sampled from it, but an edited (re-sealed) manifest can differ in a token only
-    firsts = [_first_difference(expected.output.logits_digests, actual.output.logits_digests),
-              _first_difference(expected.output.token_ids, actual.output.token_ids)]
+    firsts = [first_difference(expected.output.logits_digests, actual.output.logits_digests),
+              first_difference(expected.output.token_ids, actual.output.token_ids)]
     return Comparison(tuple(diffs), min((i for i in firsts if i is not None), default=None))
 
 
-def _first_difference(a: list, b: list) -> int | None:
+def first_difference(a: list, b: list) -> int | None:
     """First index where ``a`` and ``b`` differ (an index past the shorter one counts), or None if equal."""
     return next((i for i in range(max(len(a), len(b))) if i >= len(a) or i >= len(b) or a[i] != b[i]), None)
 

@@ -23,7 +23,7 @@ from .generate import GenerationResult, Step, check_prompt, generate
 from .kvcache import KVCache
 from .manifest import EngineRecord, ModelRecord, canonical_json
 from .prefix_cache import PrefixCache
-from .run import model_record, versions
+from .run import first_difference, model_record, versions
 from .sampler import SamplingParams
 
 SESSION_SCHEMA_VERSION = 1
@@ -336,9 +336,9 @@ def replay_turns(
                           appended=turn.appended_token_ids, note=turn.template_note,
                           prefix_cache=prefix_cache if use_cache else None)
         diffs = compare_turn(turn, actual)
-        ed, ad = turn.logits_digests, actual.logits_digests
-        step = next((k for k in range(max(len(ed), len(ad))) if k >= len(ed) or k >= len(ad) or ed[k] != ad[k]), None)
-        results.append((actual, diffs, step))
+        firsts = (first_difference(turn.logits_digests, actual.logits_digests),
+                  first_difference(turn.generated_token_ids, actual.generated_token_ids))
+        results.append((actual, diffs, min((k for k in firsts if k is not None), default=None)))
     return results
 
 
