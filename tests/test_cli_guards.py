@@ -1,0 +1,78 @@
+"""Options that would be silently ignored are refused; corrupt inputs are refused, not shown as fine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from cli_helpers import cli
+
+from detinfer.engine import Engine
+from detinfer.kvfile import save_kv
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory, model_path):
+    tmp = tmp_path_factory.mktemp("guards")
+    manifest = tmp / "run.json"
+    r = cli(tmp, "run", "--model", model_path, "--prompt", "The capital of France is", "--max-tokens", "3", "--out", manifest, "--quiet")
+    assert r.exit_code == 0, r.output
+    script = tmp / "s.json"
+    script.write_text(json.dumps({"sampling": {"max_tokens": 3}, "turns": [{"messages": [{"role": "user", "content": "Hi"}]}]}))
+    session = tmp / "session.json"
+    r = cli(tmp, "session", "run", script, "--model", model_path, "--out", session, "--quiet")
+    assert r.exit_code == 0, r.output
+    return tmp, manifest, script, session
+
+
+def _one_line_error(r, *needles):
+    assert r.exit_code == 2, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), r.output
+    for n in needles:
+        assert n in lines[0], r.output
+
+
+@pytest.mark.parametrize("option", [["--max-tokens", "4"], ["--seed", "3"], ["--ctx", "128"], ["--kv-type", "f16"], ["--chat"]])
+def test_manifest_with_a_recorded_option_is_refused(recorded, model_path, option):
+    tmp, manifest, _, _ = recorded
+    _one_line_error(cli(tmp, "run", "--manifest", manifest, "--model", model_path, *option), option[0])
+
+
+def test_replay_branch_options_are_checked(recorded, model_path):
+    tmp, _, script, session = recorded
+    _one_line_error(cli(tmp, "replay", session, "--model", model_path, "--until", "1", "--then", script), "--out")
+    _one_line_error(cli(tmp, "replay", session, "--model", model_path, "--out", tmp / "x.json"), "--then")
+    _one_line_error(cli(tmp, "replay", session, "--model", model_path, "--until", "0"), "--until 0")
+
+
+def test_messages_with_an_unknown_role_are_refused(recorded, model_path):
+    tmp = recorded[0]
+    path = tmp / "msgs.json"
+    path.write_text(json.dumps([{"role": "bot", "content": "hi"}]))
+    _one_line_error(cli(tmp, "run", "--model", model_path, "--messages", path), "'bot'")
+
+
+def test_kv_inspect_refuses_a_corrupt_file(recorded, model_path):
+    tmp = recorded[0]
+    engine = Engine.load(model_path, n_ctx=64)
+    cache = engine.new_cache()
+    engine.forward([1, 2, 3], cache)
+    path = tmp / "a.detkv"
+    save_kv(path, cache, model_sha256=engine.model_file.sha256, tokenizer_sha256=engine.tokenizer.hash)
+    assert cli(tmp, "kv", "inspect", path).exit_code == 0
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 1
+    path.write_bytes(bytes(data))
+    r = cli(tmp, "kv", "inspect", path)
+    assert r.exit_code == 2 and "checksum mismatch" in r.output.splitlines()[-1], r.output
+
+
+def test_info_ctx_out_of_range(recorded, model_path):
+    _one_line_error(cli(recorded[0], "info", model_path, "--ctx", "100000"), "--ctx 100000")
+    _one_line_error(cli(recorded[0], "info", model_path, "--ctx", "-5"), "--ctx -5")
+
+
+def test_chunk_size_zero_before_loading(recorded):
+    _one_line_error(cli(recorded[0], "run", "--model", Path("/nonexistent.gguf"), "--prompt", "x", "--chunk-size", "0"), "--chunk-size")
