@@ -116,20 +116,6 @@ def check_prompt(engine: Engine, tokens: Sequence[int]) -> None:
         )
 
 
-def reuse_prefix(cache: KVCache, prompt_tokens: Sequence[int]) -> int:
-    """Keep the longest prefix of ``prompt_tokens`` that ``cache`` already holds (truncating what differs) and
-    return its length. At least the last prompt token is always recomputed, since its logits are needed.
-    Exact: attention state at a position depends only on the tokens up to it."""
-    held = cache.tokens
-    n = 0
-    limit = min(len(held), len(prompt_tokens) - 1)
-    while n < limit and held[n] == prompt_tokens[n]:
-        n += 1
-    if n < cache.n_tokens:
-        cache.truncate(n)
-    return n
-
-
 def generate(
     engine: Engine,
     prompt_tokens: Sequence[int],
@@ -146,7 +132,7 @@ def generate(
     """Prefill ``prompt_tokens`` and generate up to ``max_tokens`` tokens, yielding one Step per token.
 
     ``cache`` (optional) may already hold a prefix of the prompt: only the rest is computed (see
-    :func:`reuse_prefix`), with the same bytes as a cold run.
+    :meth:`KVCache.keep_prefix`), with the same bytes as a cold run.
 
     Stops at an end-of-generation token (not emitted as text; unless ``ignore_eos``), a stop string (its text
     is never emitted), ``max_tokens``, or the end of the context (stop reason "length": a token at position p
@@ -162,7 +148,7 @@ def generate(
         raise InputError(f"logprobs_k must be an int >= 0 or None, got {logprobs_k!r}")
     res = result if result is not None else GenerationResult()
     cache = cache if cache is not None else engine.new_cache()
-    reused = reuse_prefix(cache, prompt_tokens)
+    reused = cache.keep_prefix(prompt_tokens)
     history = list(prompt_tokens)
     decoder = engine.tokenizer.stream_decoder()
     matcher = _StopMatcher(stop)

@@ -205,6 +205,18 @@ class KVCache:
         """Allocated bytes for all n_ctx positions."""
         return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
 
+    def keep_prefix(self, tokens: Sequence[int]) -> int:
+        """Keep the longest prefix of ``tokens`` this cache already holds, at most len(tokens) - 1 (the last token's
+        logits are always computed), truncating what differs; returns its length. Exact: attention state at a
+        position depends only on the tokens up to it."""
+        held = self.tokens
+        n, limit = 0, min(len(held), len(tokens) - 1)
+        while n < limit and held[n] == tokens[n]:
+            n += 1
+        if n < self.n_tokens:
+            self.truncate(n)
+        return n
+
     def truncate(self, n: int) -> None:
         """Forget positions n.. (exact: attention state at p depends only on tokens 0..p).
 

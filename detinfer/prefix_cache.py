@@ -82,6 +82,16 @@ class PrefixCache:
         self._entries.move_to_end(best_key)
         return best_k, self._entries[best_key][1]
 
+    def restore_longest(self, cache: KVCache, tokens: Sequence[int]) -> None:
+        """Restore into ``cache`` the best snapshot's prefix of ``tokens`` when it is longer than what ``cache``
+        already holds of them (at most len(tokens) - 1: the last token is always computed). Exact either way."""
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        limit = ids.shape[0] - 1
+        held = min(_shared_prefix(np.asarray(cache.tokens, dtype=np.int64), ids), limit)
+        k, snap = self.lookup(ids, limit=limit)
+        if snap is not None and k > held:
+            cache.restore(snap, k)
+
     def store(self, source: KVCache | KVSnapshot) -> bool:
         """Keep a snapshot of ``source`` (a cache is snapshotted whole), evicting least recently used entries to stay
         within max_bytes. Returns False if it was not kept: empty, larger than max_bytes, or already covered by a
@@ -136,17 +146,8 @@ def prefill_with_reuse(
     ids = [int(t) for t in tokens]
     if not ids:
         raise InputError("no tokens to run")
-    limit = len(ids) - 1
-    # Every cache here is truncatable (attention layers only), so any shared prefix of what it holds is reusable.
-    held = min(_shared_prefix(np.asarray(cache.tokens, dtype=np.int64), np.asarray(ids, dtype=np.int64)), limit)
-    k, snap = prefix_cache.lookup(ids, limit=limit)
-    if snap is not None and k > held:
-        cache.restore(snap, k)
-        n_reused = k
-    else:
-        if held < cache.n_tokens:
-            cache.truncate(held)
-        n_reused = held
+    prefix_cache.restore_longest(cache, ids)
+    n_reused = cache.keep_prefix(ids)
     kwargs = {} if chunk_size is None else {"chunk_size": chunk_size}
     logits = engine.forward(ids[n_reused:], cache, **kwargs)
     prefix_cache.store(cache)

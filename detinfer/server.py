@@ -305,10 +305,7 @@ class Worker:
 
     def _run(self, job: Job, cache) -> None:
         prompt = job.prompt
-        k, snap = self.prefix.lookup(prompt, limit=len(prompt) - 1)
-        held = next((i for i, (a, b) in enumerate(zip(cache.tokens, prompt)) if a != b), min(cache.n_tokens, len(prompt)))
-        if snap is not None and k > held:
-            cache.restore(snap, k)
+        self.prefix.restore_longest(cache, prompt)
         res = GenerationResult()
         t0 = time.perf_counter()
         for step in generate(self.engine, prompt, job.params, max_tokens=job.max_tokens, stop=job.stop, cache=cache, result=res,

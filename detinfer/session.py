@@ -189,10 +189,7 @@ def run_turn(
         )
     check_prompt(engine, prompt)
     if prefix_cache is not None:
-        k, snap = prefix_cache.lookup(prompt, limit=len(prompt) - 1)
-        held = next((i for i, (a, b) in enumerate(zip(cache.tokens, prompt)) if a != b), min(cache.n_tokens, len(prompt)))
-        if snap is not None and k > held:
-            cache.restore(snap, k)
+        prefix_cache.restore_longest(cache, prompt)
     res = GenerationResult()
     t0 = time.perf_counter()
     for step in generate(engine, prompt, _params(sampling), max_tokens=sampling["max_tokens"], stop=sampling["stop"], cache=cache, result=res):
