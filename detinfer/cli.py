@@ -490,6 +490,7 @@ def serve(
     record_dir: Annotated[Optional[Path], typer.Option("--record", help="Record every request into session files in this directory.")] = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="DETINFER_API_KEY", show_envvar=True,
                                                    help="Require Authorization: Bearer KEY on every request.")] = None,
+    send_timeout: Annotated[float, typer.Option("--send-timeout", min=0.1, help="Drop a streaming client that reads nothing for this many seconds.")] = 30.0,
 ) -> None:
     """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
     import uvicorn
@@ -501,7 +502,7 @@ def serve(
         set_threads(threads)  # validate here; the decode worker sets it again on its own thread
         engine = Engine.load(model, n_ctx=ctx, kv_type=kv_type)
         settings = ServerSettings(max_queue=max_queue, max_inflight=max_inflight, threads=threads, cache_bytes=cache_bytes,
-                                  record_dir=record_dir, api_key=api_key or None)
+                                  record_dir=record_dir, api_key=api_key or None, send_timeout=send_timeout)
         app_ = create_app(engine, settings)
     except DetinferError as e:
         _fail(e)

@@ -4,6 +4,8 @@ Data path of a request: auth -> body (size-limited JSON) -> pydantic validation 
 unknown or unsupported parameter is a 400, never ignored) -> admission (a slot of ``--max-queue``, else 429) ->
 prepare (template + tokenize, at most ``--max-inflight`` at once, in threads) -> the single decode worker
 (one sequence at a time; numba kernels and the KV cache are not shared across threads) -> response or SSE.
+The decode worker never waits for a client: a stream buffers at most its own ``max_tokens`` steps, and a client
+that stops reading for ``--send-timeout`` seconds is dropped, so it cannot hold its admission slot forever.
 
 Determinism: output depends only on (prompt token ids, temperature, top_p, seed, max tokens, stop), never on
 queueing, streaming or the prefix cache (reuse is exact, see prefix_cache.py). Defaults follow OpenAI where it has
@@ -65,6 +67,8 @@ class ServerSettings:
     record_dir: Path | None = None
     api_key: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
+    send_timeout: float = 30.0  # seconds one SSE write may wait for a client that does not read
+
 
 
 # --------------------------------------------------------------------------------------------- errors
@@ -437,8 +441,9 @@ class Server:
                 "model": self.model_id, "system_fingerprint": self.fingerprint}  # fmt: skip
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._sse(job, events, meta, chat, include_usage, len(prompt), release_once),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})  # fmt: skip
+            return _BoundedStream(self._sse(job, events, meta, chat, include_usage, len(prompt), release_once),
+                                  self.settings.send_timeout, media_type="text/event-stream",
+                                  headers={"Cache-Control": "no-cache"})  # fmt: skip
         steps: list[Step] = []
         try:
             while True:
@@ -534,6 +539,28 @@ class Server:
         finally:
             job.cancel.set()  # a disconnected client cancels its generation (or its place in the queue)
             release()
+
+
+class _BoundedStream(StreamingResponse):
+    """An SSE response whose every write must complete within ``send_timeout`` seconds.
+
+    A client that stops reading fills the socket buffers, and the write then waits forever; this drops such a
+    client instead: the stream's generator is closed (cancelling the job and releasing its slot) and uvicorn
+    closes the connection, as for a client that disconnected.
+    """
+
+    def __init__(self, content, send_timeout: float, **kw):
+        super().__init__(content, **kw)
+        self.send_timeout = send_timeout
+
+    async def stream_response(self, send) -> None:
+        async def timed_send(message) -> None:
+            await asyncio.wait_for(send(message), self.send_timeout)
+
+        try:
+            await super().stream_response(timed_send)
+        except asyncio.TimeoutError:
+            await self.body_iterator.aclose()
 
 
 def _finite(logprob: float) -> float:

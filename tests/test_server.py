@@ -32,8 +32,10 @@ SYSTEM = "You are a terse assistant."
 
 
 class _Running:
-    def __init__(self, app):
+    def __init__(self, app, sndbuf: int | None = None):
         sock = socket.socket()
+        if sndbuf:  # accepted connections inherit it: small buffers fill up like a slow link's
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
@@ -370,3 +372,57 @@ def test_replay_of_the_whole_recording_in_a_fresh_process(server, client, record
     rows = json.loads(proc.stdout)
     assert rows and all(r["result"] == "match" for r in rows)
     assert len({r["session"] for r in rows}) == len(list(record_dir.glob("session-*.json")))
+
+
+def _rss_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_clients_that_never_read_are_dropped(engine, tmp_path):
+    """Streaming clients that never read (tiny receive buffers) cannot hold slots: each is dropped after
+    --send-timeout, /health answers throughout, memory stays bounded, a new request is then served, and every
+    completed request was recorded and replays exactly."""
+    record = tmp_path / "rec"
+    running = _Running(create_app(engine, ServerSettings(max_queue=3, threads=1, record_dir=record, send_timeout=1.5)), sndbuf=8192)
+    body = json.dumps({"model": "x", "messages": [{"role": "user", "content": "Write a long story about a ship."}],
+                       "max_tokens": 200, "temperature": 0, "stream": True, "logprobs": True, "top_logprobs": 20}).encode()
+    socks = []
+    try:
+        rss0 = _rss_bytes()
+        for _ in range(7):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", running.port))
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            socks.append(s)
+        deadline, health_seconds = time.monotonic() + 180, []
+        while True:
+            t0 = time.perf_counter()
+            h = httpx.get(running.url + "/health", timeout=10).json()
+            health_seconds.append(time.perf_counter() - t0)
+            if h["admitted"] == 0:
+                break
+            assert time.monotonic() < deadline, f"stalled clients still hold slots: {h}"
+            time.sleep(0.2)
+        assert len(health_seconds) > 3 and max(health_seconds) < 10
+        assert _rss_bytes() - rss0 < 64 << 20
+        statuses = []
+        for s in socks:  # every connection was answered (429 or a stream) and then closed by the server
+            s.settimeout(30)
+            data = b""
+            while chunk := s.recv(1 << 20):
+                data += chunk
+            statuses.append(data.split(b" ", 2)[1])
+        assert sorted(statuses) == [b"200"] * 3 + [b"429"] * 4, statuses
+        c = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        done = c.chat.completions.create(model="x", messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=6, seed=1)
+        assert done.choices[0].message.content
+    finally:
+        for s in socks:
+            s.close()
+        running.stop()
+    records = [load_session(p) for p in sorted(record.glob("session-*.json"))]
+    assert any("Name a fruit." in m.content for r in records for m in r.turns[0].messages)
+    for r in records:
+        assert all(not diffs for _, diffs, _ in replay_turns(engine, r))
