@@ -19,7 +19,7 @@ from .chat import ChatTemplate
 from .config import ModelConfig
 from .errors import InputError
 from .gguf_file import ModelFile
-from .kvcache import KVCache, kv_bytes_per_number, parse_kv_type
+from .kvcache import KVCache, check_kv_fits, kv_bytes_per_number, parse_kv_type
 from .quants import dequantize_row
 from .registry import resolve_model
 from .tokenizer import Tokenizer
@@ -69,6 +69,7 @@ class Engine:
             raise InputError(f"--ctx {n_ctx} is out of range; this model supports 1..{cfg.n_ctx_train} positions")
         self.n_ctx = n_ctx
         self.kv_type = parse_kv_type(kv_type)
+        check_kv_fits(cfg, n_ctx, self.kv_type)  # before any table of n_ctx rows is built
         self.tokenizer = Tokenizer.from_model(model_file)
         self.chat_template = ChatTemplate.from_model(model_file)
         self.weights = LlamaWeights.load(model_file, cfg)

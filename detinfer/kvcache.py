@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -50,6 +51,46 @@ def parse_kv_type(kv_type: str) -> str:
 
 def kv_bytes_per_number(kv_type: str) -> int:
     return np.dtype(KV_TYPES[parse_kv_type(kv_type)]).itemsize
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still commit: MemAvailable (/proc/meminfo), capped by the cgroup v2 limit
+    (memory.max - memory.current) when one is set; None where neither is readable (non-Linux)."""
+    avail = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            room = int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text())
+            avail = room if avail is None else min(avail, room)
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
+def check_kv_fits(cfg: ModelConfig, n_ctx: int, kv_type: str) -> int:
+    """The KV bytes of ``n_ctx`` positions (formula in :meth:`ModelConfig.kv_bytes`), checked against
+    :func:`available_memory` before anything is allocated.
+
+    The cache is mapped lazily, so an oversized one would only fail (or be OOM-killed) mid-generation; this caps
+    ``n_ctx``, and with it every ``max_tokens`` (generation stops at n_ctx), by memory up front.
+    Raises InputError naming the size, the formula's factors and the fix.
+    """
+    per_number = kv_bytes_per_number(kv_type)
+    need = cfg.kv_bytes(n_ctx, per_number)
+    avail = available_memory()
+    if avail is not None and need > avail:
+        fix = "lower --ctx" + (" or use --kv-type f16" if kv_type == "f32" else "")
+        raise InputError(
+            f"a KV cache of {n_ctx} positions needs {need / 2**30:.2f} GiB ({cfg.n_layer} layers x {n_ctx} positions x 2 x "
+            f"{cfg.kv_width} x {per_number} bytes) but only {avail / 2**30:.2f} GiB of memory is available; {fix}"
+        )
+    return need
 
 
 def canonical_layers(k: Sequence[np.ndarray], v: Sequence[np.ndarray], n: int) -> Iterator[np.ndarray]:
@@ -170,6 +211,7 @@ class KVCache:
 
     def __init__(self, cfg: ModelConfig, n_ctx: int, kv_type: str = "f32"):
         self.kv_type = parse_kv_type(kv_type)
+        check_kv_fits(cfg, n_ctx, self.kv_type)
         self.n_ctx = n_ctx
         self.n_layer, self.n_head_kv, self.head_dim = cfg.n_layer, cfg.n_head_kv, cfg.head_dim
         dtype = KV_TYPES[self.kv_type]

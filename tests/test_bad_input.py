@@ -183,6 +183,18 @@ def test_ctx_above_model_context(home: Path, model_path: Path, tmp_path: Path):
     assert_input_error(cli(home, "run", "--model", model_path, "--prompt", "hi", "--ctx", "0"), "--ctx 0")
 
 
+def test_ctx_beyond_available_memory(home: Path, tmp_path: Path):
+    """A context whose KV cache cannot fit in memory fails before anything is allocated, naming size and fix."""
+    from detinfer.kvcache import available_memory
+
+    n_ctx = 1 << 31  # tiny model: 2 layers x 2 x kv_width 32 x 4 bytes = 512 bytes per position -> 1 TiB
+    assert available_memory() < 512 * n_ctx
+    model = write_tiny_gguf(tmp_path / "long.gguf", config=TinyConfig(n_ctx_train=n_ctx))
+    r = cli(home, "run", "--model", model, "--prompt", "hi", "--ctx", str(n_ctx), "--out", tmp_path / "run.json")
+    assert_input_error(r, "1024.00 GiB", "2 layers x 2147483648 positions x 2 x 32 x 4 bytes", "lower --ctx or use --kv-type f16")
+    assert_nothing_written(tmp_path, "run.json")
+
+
 @pytest.mark.parametrize(
     "option, value, name",
     [
