@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= Give me three tips for staying healthy.
 
-.PHONY: run test verify bench fuzz manifests golden-update install pull clean
+.PHONY: run test test-boundscheck verify bench fuzz manifests golden-update install pull clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ run: pull
 test: pull
 	$(BIN)/python -m pytest -q
 
+# The whole suite once more with numba's bounds checking on (its own JIT cache: numba's cache key ignores the
+# flag): an index that validation missed becomes an IndexError instead of a silent out-of-bounds read.
+test-boundscheck: pull
+	NUMBA_BOUNDSCHECK=1 NUMBA_CACHE_DIR=$(CURDIR)/.numba-boundscheck $(BIN)/python -m pytest -q -p no:cacheprovider
+
 verify: pull
 	$(BIN)/detinfer verify --threads 1
 	$(BIN)/detinfer verify --threads 2
@@ -41,4 +46,4 @@ fuzz: pull
 	$(BIN)/python -m detinfer.fuzz --examples 10000 --report docs/reliability.md
 
 clean:
-	rm -rf $(VENV) run.json
+	rm -rf $(VENV) .numba-boundscheck run.json

@@ -72,6 +72,9 @@ class Corpus:
     session: dict = field(default_factory=dict)
     script: dict = field(default_factory=dict)
     detkv: bytes = b""
+    http: list[dict] = field(default_factory=list)  # valid request bodies: (path, body) as {"path": ..., "body": ...}
+    engine: Any = None  # the tiny model's engine, shared by the HTTP target's app
+    _client: Any = None
 
 
 def gguf_variants(folder: Path) -> dict[str, Path]:
@@ -228,7 +231,7 @@ def build_corpus(folder: Path) -> Corpus:
         if name.startswith("valid"):
             corpus.gguf_fields[name] = gguf_fields(corpus.gguf[name])
     base = next(iter(gguf_variants_valid_paths(folder)))
-    engine = Engine(ModelFile(base, use_index=False), n_ctx=64)
+    engine = corpus.engine = Engine(ModelFile(base, use_index=False), n_ctx=64)
     prompt = build_prompt(engine, messages=[{"role": "user", "content": "hi there"}], chat=True)
     sampling = SamplingRecord(temperature=0.8, top_k=40, top_p=0.9, min_p=0.0, repetition_penalty=1.1, repeat_last_n=64,
                               seed=7, max_tokens=4, stop=["."], ignore_eos=False)  # fmt: skip
@@ -242,6 +245,14 @@ def build_corpus(folder: Path) -> Corpus:
                      "turns": [{"messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2 + 3?"}]},
                                {"messages": [{"role": "tool", "content": "{\"r\": 5}"}], "sampling": {"temperature": 0}}]}  # fmt: skip
     corpus.detkv = (folder / "kv" / "turn-002.detkv").read_bytes()
+    msgs = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "hi"}]
+    corpus.http = [
+        {"path": "/v1/chat/completions", "body": {"model": "x", "messages": msgs, "max_tokens": 4, "seed": 3}},
+        {"path": "/v1/chat/completions", "body": {"model": "x", "messages": msgs, "max_tokens": 3, "stream": True, "temperature": 0.5,
+                                                  "top_p": 0.9, "logprobs": True, "top_logprobs": 2, "stop": ["."],
+                                                  "stream_options": {"include_usage": True}}},
+        {"path": "/v1/completions", "body": {"model": "x", "prompt": "the cat", "max_tokens": 3, "logprobs": 1, "echo": False}},
+    ]  # fmt: skip
     cache = engine.new_cache()
     engine.forward([1, 2, 3], cache)
     save_kv(folder / "three.detkv", cache, model_sha256=engine.model_file.sha256, tokenizer_sha256=engine.tokenizer.hash)
@@ -543,6 +554,49 @@ def check_template(corpus: Corpus, case, path: Path) -> None:
         raise AssertionError(f"render returned {type(out).__name__}")
 
 
+def http_strategy(corpus: Corpus):
+    """(request index, JSON edits, raw-body ops): a valid chat / streaming chat / completions request with the
+    JSON edits of :func:`json_strategy` (types, missing and unknown keys, huge numbers, NaN) and byte edits."""
+    st = _st()
+    return st.integers(0, len(corpus.http) - 1).flatmap(lambda i: st.tuples(st.just(i), json_strategy(corpus.http[i]["body"])))
+
+
+class HTTPRefused(DetinferError):
+    """A 4xx answer with a one-line JSON error: the HTTP form of a typed refusal (counted as a DetinferError)."""
+
+
+def check_http(corpus: Corpus, case, path: Path) -> None:
+    """POST the (mutated) body to the real app (tiny model, in-process ASGI client). A 200 must be a complete
+    response (JSON with choices, or SSE events ending in [DONE]); a 4xx must carry a one-line JSON error message;
+    anything else (a 5xx, a malformed body, an exception escaping the app) breaks the contract."""
+    i, edits = case
+    if corpus._client is None:
+        from fastapi.testclient import TestClient
+
+        from .server import ServerSettings, create_app
+
+        corpus._client = TestClient(create_app(corpus.engine, ServerSettings(max_queue=4, threads=1, max_body_bytes=1 << 16)))
+        corpus._client.__enter__()  # starts the decode worker (the app's lifespan); lives as long as the process
+    body = apply_json_ops(corpus.http[i]["body"], edits, None)
+    r = corpus._client.post(corpus.http[i]["path"], content=body, headers={"Content-Type": "application/json"})
+    if 400 <= r.status_code < 500:
+        msg = r.json()["error"]["message"]
+        if not isinstance(msg, str) or not msg.strip() or "\n" in msg:
+            raise AssertionError(f"HTTP {r.status_code} with a bad error message {msg!r}")
+        raise HTTPRefused(f"HTTP {r.status_code}: {msg}")
+    if r.status_code != 200:
+        raise AssertionError(f"HTTP {r.status_code}: {r.text[:200]}")
+    if r.headers["content-type"].startswith("text/event-stream"):
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        if not events or events[-1] != "[DONE]":
+            raise AssertionError(f"stream did not end with [DONE]: {r.text[-200:]!r}")
+        for e in events[:-1]:
+            if "error" in json.loads(e):
+                raise AssertionError(f"stream carried an error after a 200: {e[:200]}")
+    elif not r.json()["choices"]:
+        raise AssertionError("a 200 without choices")
+
+
 @dataclass(frozen=True)
 class Target:
     name: str
@@ -573,6 +627,10 @@ TARGETS = {
                "huge ranges, nested loops, string blow-up, recursion, syntax errors) and random text, with random and "
                "malformed messages -> ChatTemplate(source).render(messages)",
                lambda c: template_strategy(), check_template),  # fmt: skip
+        Target("http", "HTTP request bodies of the OpenAI-compatible server: the JSON edits above applied to a chat, a "
+               "streaming chat (logprobs, stop, usage) and a completions request, plus truncation and bit flips of the "
+               "body -> POST to the real app on a tiny model (a 4xx with a one-line JSON error counts as a typed refusal)",
+               http_strategy, check_http),  # fmt: skip
     )
 }
 
@@ -643,24 +701,34 @@ def _run_in_worker(name: str, examples: int, seed: int, workdir: Path, log: Call
     return {"counts": counts, "failures": failures, "seconds": seconds}
 
 
-def report_markdown(results: dict[str, dict], examples: int, total_seconds: float) -> str:
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=TESTS_DIR.parent, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def report_markdown(results: dict[str, dict]) -> str:
+    """The report of ``results`` (target -> counts, failures, seconds, examples, commit, date)."""
     lines = [
         "# Reliability: fuzzing, crash safety, bad input",
         "",
-        "Generated by `make fuzz` (`python -m detinfer.fuzz --examples N --report docs/reliability.md`). The contract:",
-        "every input ends in a correct result or a typed `DetinferError` with a one-line message, never another",
+        "Generated by `make fuzz` (`python -m detinfer.fuzz --examples N --report docs/reliability.md`; the counts are",
+        "kept in docs/reliability.json, and a run of some targets with `--targets` replaces only their rows). The",
+        "contract: every input ends in a correct result or a typed `DetinferError` with a one-line message, never another",
         "exception, never a crash. Each target ran in a worker process with `NUMBA_BOUNDSCHECK=1`, so a kernel",
-        "reading out of bounds would surface as an `IndexError` (counted as \"other exception\").",
+        "reading out of bounds would surface as an `IndexError` (counted as \"other exception\"). Seconds include one",
+        "bounds-checked numba compile per worker; hypothesis may stop a target early when its strategy has no new",
+        "examples left.",
         "",
-        f"Examples requested per target: {examples}. Total time: {total_seconds:.0f} s (including one bounds-checked",
-        "numba compile per worker). Hypothesis may stop a target early when its strategy has no new examples left.",
-        "",
-        "| target | inputs | ok | DetinferError | DetinferError, not one line | other exception | crash | seconds |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| target | requested | inputs | ok | DetinferError | DetinferError, not one line | other exception | crash | seconds | commit, date |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, r in results.items():
         c = r["counts"]
-        lines.append(f"| {name} | {sum(c.values())} | " + " | ".join(str(c[o]) for o in OUTCOMES) + f" | {r['seconds']:.0f} |")
+        lines.append(f"| {name} | {r['examples']} | {sum(c.values())} | " + " | ".join(str(c[o]) for o in OUTCOMES)
+                     + f" | {r['seconds']:.0f} | {r['commit']}, {r['date']} |")  # fmt: skip
     lines += ["", "## Classes of bad input tried", ""]
     for name in results:
         lines.append(f"- **{name}**: {TARGETS[name].what}.")
@@ -670,10 +738,17 @@ def report_markdown(results: dict[str, dict], examples: int, total_seconds: floa
         "",
         "- `tests/test_fuzz.py`: the same targets in-process, a few hundred hypothesis examples each; template limits",
         "  (operation budget, output size, range length, string/number size); sandbox escapes; a forward pass and",
-        "  generation under `NUMBA_BOUNDSCHECK=1` in a fresh numba cache.",
+        "  generation under `NUMBA_BOUNDSCHECK=1` in a fresh numba cache. CI also runs the whole suite once with",
+        "  `NUMBA_BOUNDSCHECK=1` (`make test-boundscheck`).",
         "- `tests/test_crash_safety.py`: a writer process killed with SIGKILL at random points while rewriting a",
         "  manifest, a session record and a .detkv snapshot; the previous file always loads, and leftover",
         "  `.*.tmp` files are never read (verify's folder scan skips them).",
+        "- `tests/test_server.py`: bursts of 24 clients against `--max-queue 8` (429 with Retry-After, no hang),",
+        "  clients that disconnect mid-stream, and streaming clients that never read (dropped after `--send-timeout`):",
+        "  `/health` answers throughout, memory stays bounded, no slot leaks, and every completed request is recorded",
+        "  and replays exactly.",
+        "- Resource limits: request bodies (1 MiB, 413), prompt length against n_ctx, the KV cache of n_ctx positions",
+        "  against available memory before allocating (which caps max_tokens too), the prefix cache by bytes.",
         "- Template limits (detinfer/chat.py): at most 2,000,000 counted operations per render (lookups, calls,",
         "  filters, operators, range() items), 16 MiB of output or for any one string/list/number a template builds,",
         "  range() of at most 100,000 items; recursion and memory errors become TemplateError.",
@@ -707,15 +782,19 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in TARGETS]
     if unknown:
         p.error(f"unknown target(s) {', '.join(unknown)}; known: {', '.join(TARGETS)}")
-    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="detinfer-fuzz-") as tmp:
         workdir = Path(tmp)
         results = {n: _run_in_worker(n, args.examples, args.seed, workdir, lambda s: print(s, file=sys.stderr)) for n in names}
-    total = time.perf_counter() - t0
+    stamp = {"examples": args.examples, "commit": _git_commit(), "date": time.strftime("%Y-%m-%d")}
+    results = {n: dict(r, **stamp) for n, r in results.items()}
     if args.report:
-        from .fileio import atomic_write_text
+        from .fileio import atomic_write_text, read_json
 
-        atomic_write_text(args.report, report_markdown(results, args.examples, total))
+        counts_file = args.report.with_suffix(".json")
+        kept = read_json(counts_file, RuntimeError, "fuzz report") if counts_file.exists() else {}
+        merged = {n: results.get(n) or kept[n] for n in TARGETS if n in results or n in kept}
+        atomic_write_text(counts_file, json.dumps(merged, indent=1) + "\n")
+        atomic_write_text(args.report, report_markdown(merged))
     bad = sum(r["counts"][o] for r in results.values() for o in (BAD_MESSAGE, OTHER, CRASH))
     print(f"{bad} input(s) broke the contract" if bad else "every input ended in a result or a DetinferError", file=sys.stderr)
     return 1 if bad else 0
