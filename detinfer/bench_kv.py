@@ -143,6 +143,7 @@ def plot_kv(kv: KVCurve, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     p0 = kv.prompt_tokens
     xc = np.arange(p0, p0 + len(kv.cached_step_s))
@@ -164,14 +165,17 @@ def plot_kv(kv: KVCurve, path: Path) -> None:
         if kv.naive_stopped_early:
             ax.plot(xn[-1:], yn[-1:], "kx", label=f"naive stopped: {kv.naive_budget_s:g} s budget")
         ax.grid(alpha=0.3, which="both")
-    ax_step.legend(fontsize=8)
+        for axis in (ax.xaxis, ax.yaxis):
+            axis.set_major_formatter(ScalarFormatter())  # 10, 100, 1000 rather than 10^1, 10^2, 10^3
+            axis.set_minor_formatter(NullFormatter())
+    fig.legend(*ax_step.get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=8)
     totals = "; ".join(f"{t.tokens} tokens: {t.ratio:.1f}× ({'lower bound' if t.naive_kind != 'measured' else 'measured'})"
                        for t in kv.targets)
     ax_cum.set_title(f"naive / cached total time: {totals}", fontsize=8)
     check = (f"naive tokens == cached tokens in all {kv.compared_tokens} steps compared" if kv.tokens_identical
              else f"TOKENS DIFFER from step {kv.first_mismatch}")
     fig.suptitle(f"{kv.model}, {kv.threads} thread(s), greedy: {check}", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     buf = io.BytesIO()
     try:
         fig.savefig(buf, format="png", dpi=110)
