@@ -39,9 +39,12 @@ def _fail(e: DetinferError) -> None:
     raise typer.Exit(e.exit_code)
 
 
+COMPILE_STATUS_DELAY_S = 2.0  # off a terminal, the compile status line appears only if warming up takes longer
+
+
 def _compile_kernels(engine) -> None:
     """Compile (first run) or load (JIT cache) every kernel before the real work, with a status on stderr: a
-    spinner on a terminal, elsewhere one line if it takes over 2 s. stdout stays clean."""
+    spinner on a terminal, elsewhere one line if it takes over COMPILE_STATUS_DELAY_S. stdout stays clean."""
     import threading
 
     from .bench import PROGRESS_MARK, warm_up
@@ -51,7 +54,7 @@ def _compile_kernels(engine) -> None:
         with err.status(message):
             warm_up(engine)
         return
-    timer = threading.Timer(2.0, lambda: err.print(message))
+    timer = threading.Timer(COMPILE_STATUS_DELAY_S, lambda: err.print(message))
     timer.start()
     try:
         warm_up(engine)

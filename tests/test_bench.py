@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from cli_helpers import cli
@@ -64,9 +66,24 @@ def test_target_totals_measured_and_lower_bound():
 
 
 @pytest.fixture(scope="module")
-def tiny_engine(tmp_path_factory) -> Engine:
-    path = write_tiny_gguf(tmp_path_factory.mktemp("bench") / "tiny.gguf")
-    return Engine.load(path, n_ctx=context_for([8]))
+def tiny_model(tmp_path_factory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("bench") / "tiny.gguf")
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_model) -> Engine:
+    return Engine.load(tiny_model, n_ctx=context_for([8]))
+
+
+def test_run_shows_the_compile_status_on_stderr_only(tmp_path, tiny_model, monkeypatch):
+    import detinfer.cli
+
+    real = bench.warm_up
+    monkeypatch.setattr(detinfer.cli, "COMPILE_STATUS_DELAY_S", 0.0)  # as if compiling took long
+    monkeypatch.setattr(bench, "warm_up", lambda engine: (time.sleep(0.5), real(engine)))
+    r = cli(tmp_path, "run", "--model", tiny_model, "--prompt", "hi there", "-n", "3", "--ctx", "64")
+    assert r.exit_code == 0, r.output
+    assert bench.PROGRESS_MARK in r.stderr and bench.PROGRESS_MARK not in r.stdout
 
 
 def test_kv_arms_give_the_same_tokens(tiny_engine):
