@@ -475,7 +475,8 @@ def run_suite(models: list[str], runs: int, peer: str | None, out: Path, markdow
               warn: Callable[[str], None], progress: Callable[[str], None]) -> BenchReport:
     """Benchmark every model, write ``out`` (JSON) and ``markdown_path`` atomically, return the report.
 
-    A model that does not load is recorded as skipped. A previous report's ``kv_curve`` (dated) is kept.
+    A model that does not load, or whose benchmark fails, is recorded as skipped with the reason. A previous
+    report's ``kv_curve`` (dated) is kept.
     Raises InputError for bad options (see :func:`check_options`).
     """
     check_options(models, runs, peer)
@@ -490,7 +491,10 @@ def run_suite(models: list[str], runs: int, peer: str | None, out: Path, markdow
     reports = []
     for model in models:
         progress(f"benchmarking {model}")
-        reports.append(bench_model(model, runs, peer, warn_))
+        try:
+            reports.append(bench_model(model, runs, peer, warn_))
+        except RuntimeError as e:  # a worker that crashed: recorded, and the other models still run
+            reports.append(ModelReport(model=model, status="skipped", reason=f"benchmark failed: {e}"))
         if reports[-1].status == "skipped":
             warn_(f"{model} skipped: {reports[-1].reason}")
     try:
