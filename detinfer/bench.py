@@ -519,7 +519,8 @@ def load_report(path: Path) -> BenchReport:
     try:
         return BenchReport.model_validate(data)
     except ValidationError as e:
-        raise InputError(f"{path} is not a benchmark results file of schema {SCHEMA_VERSION}: {e.errors()[0]['msg']}") from None
+        raise InputError(f"{path} is not a benchmark results file of schema {SCHEMA_VERSION} ({e.errors()[0]['msg']}); "
+                         "regenerate it with `detinfer bench` or pass another path") from None
 
 
 def add_kv_curve(kv: KVCurve, out: Path, markdown_path: Path) -> BenchReport:

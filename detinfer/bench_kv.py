@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench import KVCurve, KVTarget, busy_warning, warm_up
+from .bench import KVCurve, KVTarget, busy_warning, load_report, warm_up
 from .engine import Engine
 from .errors import InputError
 from .fileio import atomic_write_bytes
@@ -30,8 +30,9 @@ def context_for(targets: Sequence[int]) -> int:
     return max(targets) + PROMPT_ROOM
 
 
-def check_kv_options(targets: Sequence[int], naive_budget_s: float, plot: Path | None) -> None:
-    """Raise InputError for bad ``bench kv`` options, and if ``plot`` is asked without matplotlib installed."""
+def check_kv_options(targets: Sequence[int], naive_budget_s: float, plot: Path | None, results: Path) -> None:
+    """Raise InputError for bad ``bench kv`` options, if ``plot`` is asked without matplotlib installed, or if
+    ``results`` exists but is not a results file the curve can be added to."""
     if not targets or min(targets) < 1:
         raise InputError(f"--tokens must be positive token counts, got {list(targets)}")
     if naive_budget_s <= 0:
@@ -41,6 +42,8 @@ def check_kv_options(targets: Sequence[int], naive_budget_s: float, plot: Path |
             import matplotlib  # noqa: F401
         except ImportError:
             raise InputError("--plot needs matplotlib: pip install 'detinfer[bench]'") from None
+    if results.exists():
+        load_report(results)
 
 
 def greedy(logits: np.ndarray) -> int:

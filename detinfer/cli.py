@@ -560,7 +560,7 @@ def bench(
     cold/warm start, prefix reuse. Takes minutes; use an otherwise idle machine."""
     if cli_ctx.invoked_subcommand is not None:
         return
-    from .bench import DEFAULT_MODELS, run_suite
+    from .bench import DEFAULT_MODELS, FIGURES, run_suite
 
     try:
         report = run_suite(models or list(DEFAULT_MODELS), runs, peer, out_path, markdown, warn=_warn,
@@ -571,7 +571,7 @@ def bench(
     for m in report.models:
         for tr in m.threads:
             for e in tr.engines:
-                table.add_row(escape(m.model), str(tr.threads), e.engine, *(f"{s.median:g}" for s in e.figures.values()))
+                table.add_row(escape(m.model), str(tr.threads), e.engine, *(f"{e.figures[name].median:g}" for name, _, _ in FIGURES))
     out.print(table)
     out.print(f"wrote {escape(str(out_path))} and {escape(str(markdown))}")
 
@@ -595,7 +595,7 @@ def bench_kv(
 
     targets = tokens or list(DEFAULT_TARGETS)
     try:
-        check_kv_options(targets, naive_budget, plot)
+        check_kv_options(targets, naive_budget, plot, results)
         n_threads = set_threads(threads)
         engine = Engine.load(model, n_ctx=context_for(targets))
         with err.status("generating with and without the KV cache…"):

@@ -26,10 +26,13 @@ from detinfer.errors import InputError
         (["bench", "--peer", "vllm"], "unknown peer 'vllm'"),
         (["bench", "kv", "--tokens", "0"], "--tokens must be positive"),
         (["bench", "kv", "--naive-budget", "0"], "--naive-budget must be positive"),
+        (["bench", "kv", "--results", "{old}"], "is not a benchmark results file of schema 1"),
     ],
 )
 def test_bench_rejects_bad_options_before_loading(tmp_path, args, message):
-    result = cli(tmp_path, *args)
+    old = tmp_path / "old-results.json"
+    old.write_text(json.dumps({"runs": []}))  # an earlier format
+    result = cli(tmp_path, *[a.format(old=old) for a in args])
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
 
