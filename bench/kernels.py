@@ -3,7 +3,7 @@
 Usage: python bench/kernels.py [--threads 1,2] [--tokens 1,64] [--reps 7]. Prints the minimum over repeats
 (this machine's timings are noisy) of: all Q4 layer matmuls, the output projection, and the sum, in ms per
 token, plus the engine's decode and 64-token prefill rate. Timings only: results are never compared here
-(tests/test_kernels.py and bench/determinism_check.py check the bytes).
+(tests/test_kernels.py checks the bytes). The standard suite is `detinfer bench`.
 """
 
 from __future__ import annotations

@@ -39,6 +39,29 @@ def _fail(e: DetinferError) -> None:
     raise typer.Exit(e.exit_code)
 
 
+COMPILE_STATUS_DELAY_S = 2.0  # off a terminal, the compile status line appears only if warming up takes longer
+
+
+def _compile_kernels(engine) -> None:
+    """Compile (first run) or load (JIT cache) every kernel before the real work, with a status on stderr: a
+    spinner on a terminal, elsewhere one line if it takes over COMPILE_STATUS_DELAY_S. stdout stays clean."""
+    import threading
+
+    from .bench import PROGRESS_MARK, warm_up
+
+    message = f"{PROGRESS_MARK} (first run only, up to ~30 s; cached afterwards)…"
+    if err.is_terminal:
+        with err.status(message):
+            warm_up(engine)
+        return
+    timer = threading.Timer(COMPILE_STATUS_DELAY_S, lambda: err.print(message))
+    timer.start()
+    try:
+        warm_up(engine)
+    finally:
+        timer.cancel()
+
+
 @app.command()
 def pull(
     name: Annotated[Optional[str], typer.Argument(help="Registry name (default: the default model).")] = None,
@@ -166,6 +189,7 @@ def run(
                 raise InputError(f"--manifest re-executes the recorded inputs and settings; drop {', '.join(given)}")
             recorded = load_manifest(manifest)
             engine = engine_for_manifest(recorded, model)
+            _compile_kernels(engine)
             actual, comparison = reexecute(recorded, engine, chunk_size=chunk_size, on_step=stream)
             if not quiet:
                 sys.stdout.write("\n")
@@ -191,6 +215,7 @@ def run(
         )
         sampling = sampling_record(params, max_tokens=max_tokens, stop=stop or [], ignore_eos=ignore_eos)
         engine = Engine.load(model, n_ctx=ctx, kv_type=kv_type)
+        _compile_kernels(engine)
         prompt_record = build_prompt(engine, text=text, messages=msgs, chat=chat)
         if not quiet:
             err.print(f"[dim]{escape(engine.model_file.path.name)}: {len(prompt_record.token_ids)} prompt tokens[/]")
@@ -439,6 +464,7 @@ def chat(
         parse_kv_type(kv_type)
         set_threads(threads)
         engine = Engine.load(model, n_ctx=ctx, kv_type=kv_type)
+        _compile_kernels(engine)
         sampling = effective_sampling(TurnSampling(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens), None)
         conv, cache, turns = Conversation(engine), engine.new_cache(), []
         while True:
@@ -501,6 +527,7 @@ def serve(
     try:
         set_threads(threads)  # validate here; the decode worker sets it again on its own thread
         engine = Engine.load(model, n_ctx=ctx, kv_type=kv_type)
+        _compile_kernels(engine)
         settings = ServerSettings(max_queue=max_queue, max_inflight=max_inflight, threads=threads, cache_bytes=cache_bytes,
                                   record_dir=record_dir, api_key=api_key or None, send_timeout=send_timeout)
         app_ = create_app(engine, settings)
@@ -509,6 +536,83 @@ def serve(
     err.print(f"serving {escape(str(engine.model_file.path.name))} on http://{host}:{port}/v1"
               + (" (API key required)" if api_key else ""))
     uvicorn.run(app_, host=host, port=port, log_level="info")
+
+
+bench_app = typer.Typer()
+app.add_typer(bench_app, name="bench")
+
+
+def _warn(msg: str) -> None:
+    err.print(f"[yellow]warning:[/] {escape(msg)}", soft_wrap=True)
+
+
+@bench_app.callback(invoke_without_command=True)
+def bench(
+    cli_ctx: typer.Context,
+    models: Annotated[Optional[list[str]], typer.Option("--model", "-m", help="Model to benchmark (repeatable; default: "
+                                                        "SmolLM2, and gemma3 when it loads).")] = None,
+    runs: Annotated[int, typer.Option("--runs", help="Runs per figure (the median, min and max are reported).")] = 3,
+    peer: Annotated[Optional[str], typer.Option("--peer", help="Also run this engine side by side: llama-cpp "
+                                                "(needs llama-cpp-python).")] = None,
+    out_path: Annotated[Path, typer.Option("--out", "-o", help="Results (JSON).")] = Path("bench/results.json"),
+    markdown: Annotated[Path, typer.Option("--markdown", help="Markdown table.")] = Path("docs/benchmarks.md"),
+) -> None:
+    """The standard suite: prefill and decode tok/s at 1 and 2 threads, contract vs fastmath (and llama.cpp), RSS,
+    cold/warm start, prefix reuse. Takes minutes; use an otherwise idle machine."""
+    if cli_ctx.invoked_subcommand is not None:
+        return
+    from .bench import DEFAULT_MODELS, FIGURES, run_suite
+
+    try:
+        report = run_suite(models or list(DEFAULT_MODELS), runs, peer, out_path, markdown, warn=_warn,
+                           progress=lambda msg: err.print(f"[dim]{escape(msg)}[/]"))
+    except DetinferError as e:
+        _fail(e)
+    table = Table("model", "threads", "engine", "prefill 64", "prefill 512", "prefill 2048", "decode 128", title="tok/s (medians)")
+    for m in report.models:
+        for tr in m.threads:
+            for e in tr.engines:
+                table.add_row(escape(m.model), str(tr.threads), e.engine, *(f"{e.figures[name].median:g}" for name, _, _ in FIGURES))
+    out.print(table)
+    out.print(f"wrote {escape(str(out_path))} and {escape(str(markdown))}")
+
+
+@bench_app.command("kv")
+def bench_kv(
+    model: ModelOpt = None,
+    threads: ThreadsOpt = None,
+    tokens: Annotated[Optional[list[int]], typer.Option("--tokens", help="Generated-token targets (repeatable; "
+                                                        "default 64, 512, 2048).")] = None,
+    naive_budget: Annotated[float, typer.Option("--naive-budget", help="Seconds after which the naive arm stops.")] = 120.0,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write the PNG plot here (needs matplotlib).")] = None,
+    results: Annotated[Path, typer.Option("--results", help="Results file to add the curve to.")] = Path("bench/results.json"),
+    markdown: Annotated[Path, typer.Option("--markdown", help="Markdown regenerated from the results.")] = Path("docs/benchmarks.md"),
+) -> None:
+    """Greedy generation with the KV cache vs recomputing the whole sequence every token: same tokens, timed, plotted."""
+    from .bench import add_kv_curve
+    from .bench_kv import DEFAULT_TARGETS, check_kv_options, context_for, kv_curve, plot_kv
+    from .engine import Engine, set_threads
+    from .registry import DEFAULT_MODEL
+
+    targets = tokens or list(DEFAULT_TARGETS)
+    try:
+        check_kv_options(targets, naive_budget, plot, results)
+        n_threads = set_threads(threads)
+        engine = Engine.load(model, n_ctx=context_for(targets))
+        with err.status("generating with and without the KV cache…"):
+            kv = kv_curve(engine, n_threads, targets, naive_budget, model=model or DEFAULT_MODEL, warn=_warn)
+        if plot is not None:
+            plot_kv(kv, plot)
+            kv = kv.model_copy(update={"plot": str(plot)})
+        add_kv_curve(kv, results, markdown)
+    except DetinferError as e:
+        _fail(e)
+    for t in kv.targets:
+        out.print(f"{t.tokens} tokens: cached {t.cached_s:.3g} s, naive {t.naive_s:.4g} s ({t.naive_kind}): {t.ratio:.1f}×")
+    out.print(("tokens identical" if kv.tokens_identical else f"TOKENS DIFFER from step {kv.first_mismatch}")
+              + f" in {kv.compared_tokens} steps compared" + (f"; plot: {escape(str(plot))}" if plot else ""))
+    if not kv.tokens_identical:
+        raise typer.Exit(1)
 
 
 def _summary(m, out_path: Optional[Path]) -> None:

@@ -22,7 +22,9 @@ offsets keep one base pointer where a 2-D ``block[j, r]`` kept 16-32 row pointer
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import numpy as np
 from llvmlite import ir
@@ -31,6 +33,14 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .quants import f32_to_f16_bits
+
+# Benchmark only (detinfer.bench measures the cost of the contract): DETINFER_BENCH_FASTMATH=1, read once at import,
+# compiles every kernel with fastmath, which breaks bit-identity. The bench worker gives it its own NUMBA_CACHE_DIR.
+FASTMATH = os.environ.get("DETINFER_BENCH_FASTMATH") == "1"
+if FASTMATH:
+    if not os.environ.get("NUMBA_CACHE_DIR"):  # numba's cache key ignores flags: never share the default cache
+        raise RuntimeError("DETINFER_BENCH_FASTMATH=1 needs its own NUMBA_CACHE_DIR (numba's cache ignores fastmath)")
+    njit = functools.partial(njit, fastmath=True)
 
 ROWS = 64  # output rows per repacked group. The kernels index quants as block[j * ROWS + r] with this
 # compile-time constant (one base pointer, constant offsets) but loop over rows with a runtime trip count: a
