@@ -385,6 +385,7 @@ def apply_json_ops(base: dict, case, reseal: Callable[[dict], dict] | None) -> b
     edits, do_reseal, text_ops = case
     data = copy.deepcopy(base)
     for kind, path, value in edits:
+        value = copy.deepcopy(value)  # hypothesis reuses leaf objects: inserting one list twice would nest it in itself
         if not path:
             data = value if kind == "set" else data
             continue
