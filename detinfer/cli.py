@@ -32,6 +32,8 @@ KvOpt = Annotated[str, typer.Option("--kv-type", help="KV cache type: f32 or f16
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", help="Threads (default: all cores). Never changes a result.")]
 CacheBytesOpt = Annotated[int, typer.Option("--cache-bytes", help="Byte budget of the in-memory prefix cache (LRU).")]
 DEFAULT_CACHE_BYTES = 1 << 30
+ChatTemplateOpt = Annotated[Optional[str], typer.Option(
+    "--chat-template", help="Chat template instead of the model's: a built-in format (gemma, chatml) or a jinja file.")]
 
 
 def _fail(e: DetinferError) -> None:
@@ -100,7 +102,7 @@ def info(
 
 
 # run options a manifest records: passing them with --manifest would be silently ignored, so it is an error
-_RECORDED_OPTIONS = {"prompt", "prompt_file", "messages", "chat", "max_tokens", "temperature", "top_k", "top_p", "min_p",
+_RECORDED_OPTIONS = {"prompt", "prompt_file", "messages", "chat", "chat_template", "max_tokens", "temperature", "top_k", "top_p", "min_p",
                      "repeat_penalty", "repeat_last_n", "seed", "stop", "ignore_eos", "ctx", "kv_type"}
 
 
@@ -122,6 +124,7 @@ def run(
     prompt_file: Annotated[Optional[Path], typer.Option("--prompt-file", help="Read the prompt from a UTF-8 file.")] = None,
     messages: Annotated[Optional[Path], typer.Option("--messages", help="JSON file with a list of {role, content}.")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Render the prompt as a user message with the chat template.")] = False,
+    chat_template: ChatTemplateOpt = None,
     manifest: Annotated[Optional[Path], typer.Option("--manifest", help="Re-execute a recorded run and compare.")] = None,
     model: ModelOpt = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Maximum new tokens.")] = 128,
@@ -147,7 +150,7 @@ def run(
     from .manifest import load_manifest, write_manifest
     from .run import build_prompt, engine_for_manifest, execute, reexecute, sampling_record
     from .sampler import SamplingParams
-    from .chat import load_messages
+    from .chat import ChatTemplate, load_messages
 
     def stream(step) -> None:
         if not quiet and step.text:
@@ -185,16 +188,19 @@ def run(
             raise InputError("give exactly one of --prompt, --prompt-file, --messages (or --manifest)")
         text = _read_prompt_file(prompt_file) if prompt_file is not None else prompt
         msgs = load_messages(messages) if messages is not None else None
+        if chat_template is not None and not chat and msgs is None:
+            raise InputError("--chat-template formats a chat prompt; add --chat (or use --messages)")
+        template = ChatTemplate.from_option(chat_template) if chat_template is not None else None
         params = SamplingParams.create(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             repetition_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed,
         )
         sampling = sampling_record(params, max_tokens=max_tokens, stop=stop or [], ignore_eos=ignore_eos)
         engine = Engine.load(model, n_ctx=ctx, kv_type=kv_type)
-        prompt_record = build_prompt(engine, text=text, messages=msgs, chat=chat)
+        prompt_record = build_prompt(engine, text=text, messages=msgs, chat=chat, template=template)
         if not quiet:
             err.print(f"[dim]{escape(engine.model_file.path.name)}: {len(prompt_record.token_ids)} prompt tokens[/]")
-        result = execute(engine, prompt_record, sampling, chunk_size=chunk_size, on_step=stream)
+        result = execute(engine, prompt_record, sampling, chunk_size=chunk_size, on_step=stream, template=template)
         if not quiet:
             sys.stdout.write("\n")
         if out_path is not None:
