@@ -320,6 +320,7 @@ def session_run(
     out_path: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the session record here.")] = None,
     kv_dir: Annotated[Optional[Path], typer.Option("--kv-dir", help="Save the KV cache after each turn here.")] = None,
     model: ModelOpt = None,
+    chat_template: ChatTemplateOpt = None,
     ctx: CtxOpt = 4096,
     kv_type: KvOpt = "f32",
     threads: ThreadsOpt = None,
@@ -327,6 +328,7 @@ def session_run(
     quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
 ) -> None:
     """Run a scripted multi-turn session and record it (written after every turn)."""
+    from .chat import ChatTemplate
     from .engine import Engine, set_threads
     from .kvcache import parse_kv_type
     from .prefix_cache import PrefixCache
@@ -336,9 +338,10 @@ def session_run(
         parse_kv_type(kv_type)
         set_threads(threads)
         sc = load_script(script)
+        template = ChatTemplate.from_option(chat_template) if chat_template is not None else None
         engine = Engine.load(model or sc.model, n_ctx=ctx, kv_type=kv_type)
         run_session(engine, sc.turns, sc.sampling, out=out_path, kv_dir=kv_dir, on_step=_stream(quiet),
-                    prefix_cache=PrefixCache(cache_bytes),
+                    prefix_cache=PrefixCache(cache_bytes), template=template,
                     on_turn=lambda i, rec: (None if quiet else sys.stdout.write("\n"), _turn_line(i, rec)))
     except DetinferError as e:
         _fail(e)
@@ -428,6 +431,7 @@ def chat(
     record_path: Annotated[Optional[Path], typer.Option("--record", help="Record the conversation to this session file.")] = None,
     system: Annotated[Optional[str], typer.Option("--system", help="System message.")] = None,
     model: ModelOpt = None,
+    chat_template: ChatTemplateOpt = None,
     ctx: CtxOpt = 4096,
     kv_type: KvOpt = "f32",
     threads: ThreadsOpt = None,
@@ -437,6 +441,7 @@ def chat(
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n")] = 256,
 ) -> None:
     """Interactive multi-turn chat (empty line or EOF ends it); recorded turn by turn with --record."""
+    from .chat import ChatTemplate
     from .engine import Engine, set_threads
     from .kvcache import parse_kv_type
     from .session import Conversation, TurnSampling, effective_sampling, new_record, run_turn, write_session
@@ -444,9 +449,10 @@ def chat(
     try:
         parse_kv_type(kv_type)
         set_threads(threads)
+        template = ChatTemplate.from_option(chat_template) if chat_template is not None else None
         engine = Engine.load(model, n_ctx=ctx, kv_type=kv_type)
         sampling = effective_sampling(TurnSampling(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens), None)
-        conv, cache, turns = Conversation(engine), engine.new_cache(), []
+        conv, cache, turns = Conversation(engine, template), engine.new_cache(), []
         while True:
             try:
                 line = input("> " if sys.stdin.isatty() else "")
@@ -458,7 +464,7 @@ def chat(
             turns.append(run_turn(engine, conv, cache, msgs, sampling, on_step=_stream(False)))
             sys.stdout.write("\n")
             if record_path is not None:
-                write_session(new_record(engine, turns), record_path)
+                write_session(new_record(engine, turns, template), record_path)
     except DetinferError as e:
         _fail(e)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numba
 import numpy as np
@@ -86,9 +86,10 @@ def template_record(template: ChatTemplate | None) -> ChatTemplateRecord | None:
     return ChatTemplateRecord(origin=template.origin, name=template.name or "", sha256=template.hash, source=template.source)
 
 
-def recorded_template(manifest: RunManifest) -> ChatTemplate | None:
-    """The chat template a manifest's prompt was rendered with, if it was not the model's own, rebuilt from the
-    recorded text. Raises ManifestError if that text does not hash to what was recorded."""
+def recorded_template(manifest: RunManifest | Any) -> ChatTemplate | None:
+    """The chat template a manifest (or session record: the same two fields) was rendered with, if it was not the
+    model's own, rebuilt from the recorded text. Raises ManifestError if that text does not hash to what was
+    recorded."""
     rec = manifest.chat_template
     if rec is None:
         return None

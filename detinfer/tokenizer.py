@@ -222,7 +222,10 @@ def _spm_merges(v: _Vocab, scores: list[float]) -> np.ndarray:
     symbols whose concatenation is a token with the highest score, leftmost on a tie. HF's BPE model does the same
     with an explicit merge list, lowest rank first, leftmost on a tie; so the list holds each split of each token
     into two tokens, ranked by the token's score (higher first), then by token id and split position, which only
-    matter between splits of the same token. Returns an int32 array of shape (n_merges, 2).
+    matter between splits of the same token. (One case differs in principle: two *different* splits of the same
+    token adjacent at once, as "ab|a|ba" for a token "aba"; llama.cpp merges the leftmost, HF the lower rank.
+    Scores are distinct in real vocabularies, so only such same-token splits can tie.) Returns an int32 array of
+    shape (n_merges, 2).
 
     Raises TokenizerError if a token is a character that is not itself a token joined to a token (or to another
     such character): llama.cpp can make that merge, HF's BPE cannot (the character becomes byte tokens first).

@@ -315,3 +315,36 @@ def test_edited_recorded_template_is_caught(home: Path, plain_model: Path, tmp_p
     edited.write_text(json.dumps(data))
     with pytest.raises(ManifestError, match="chat_template no longer match"):
         load_manifest(edited)
+
+
+def test_sessions_record_and_replay_a_chat_template(home: Path, plain_model: Path, tmp_path: Path):
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps({"sampling": {"max_tokens": 3}, "turns": [
+        {"messages": [{"role": "user", "content": "hi there"}]},
+        {"messages": [{"role": "user", "content": "the cat"}]},
+    ]}))  # fmt: skip
+    rec = tmp_path / "session.json"
+    r = cli(home, "session", "run", script, "--model", plain_model, "--ctx", "64", "--chat-template", "chatml", "--out", rec, "-q")
+    assert r.exit_code == 0, r.output
+    data = json.loads(rec.read_text())
+    assert data["schema_version"] == 2 and data["chat_template"]["name"] == "chatml"
+    assert data["chat_template_sha256"] == ChatTemplate.builtin("chatml").hash
+    r = cli(home, "replay", rec, "--json")  # the recorded template is used: the model file has none
+    assert r.exit_code == 0, r.output
+    assert [row["result"] for row in json.loads(r.stdout)] == ["match", "match"]
+    r = cli(home, "session", "run", script, "--model", plain_model, "--ctx", "64", "-q")
+    assert r.exit_code == 2 and "has no chat template; sessions need one: pass --chat-template" in r.stderr
+
+
+def test_interactive_chat_with_a_chat_template(home: Path, plain_model: Path, tmp_path: Path):
+    from cli_helpers import runner
+
+    from detinfer.cli import app
+
+    rec = tmp_path / "chat.json"
+    args = ["chat", "--model", str(plain_model), "--ctx", "64", "-n", "3", "--chat-template", "chatml", "--record", str(rec)]
+    r = runner.invoke(app, args, input="hi there\n\n", env={"DETINFER_HOME": str(home), "COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    data = json.loads(rec.read_text())
+    assert data["chat_template"]["origin"] == "builtin" and len(data["turns"]) == 1
+    assert data["turns"][0]["appended_token_ids"][0] == 1  # <|im_start|> of the chatml rendering, parsed

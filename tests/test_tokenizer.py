@@ -471,3 +471,15 @@ def test_spm_refuses_merges_hf_cannot_make(tmp_path: Path):
             Tokenizer.from_model(write_spm_gguf(tmp_path / "t.gguf"))
     finally:
         del SPM_PIECES["éa"]
+
+
+def test_qwen_style_vocabulary_without_bos_id(tmp_path: Path):
+    # Qwen2 files carry no tokenizer.ggml.bos_token_id and do not add BOS: nothing is invented
+    for add_bos in (None, False):
+        t = Tokenizer.from_model(write_gguf(tmp_path / f"q{add_bos}.gguf", pre="qwen2", bos=None, add_bos=add_bos))
+        assert (t.bos_id, t.add_bos) == (None, False)
+        assert t.encode("hello world") == t.encode("hello world", add_bos=False)
+        assert t.decode(t.encode("hello world")) == "hello world"
+        assert t.eog_ids == frozenset({0, 2})  # <|endoftext|> by name, <|im_end|> as EOS
+    with pytest.raises(TokenizerError, match="add_bos_token is true but tokenizer.ggml.bos_token_id is missing"):
+        Tokenizer.from_model(write_gguf(tmp_path / "qt.gguf", pre="qwen2", bos=None, add_bos=True))
