@@ -1,9 +1,14 @@
-"""Chat templates: the model's ``tokenizer.chat_template`` rendered in jinja2's immutable sandbox.
+"""Chat templates: the model's ``tokenizer.chat_template`` (or a jinja file, or a built-in format) rendered in
+jinja2's immutable sandbox.
 
 The environment matches HF transformers' ``apply_chat_template`` (``trim_blocks``, ``lstrip_blocks``,
 ``loopcontrols``, a ``tojson`` that does not escape HTML, ``raise_exception``) so a template renders the
 same text here as there. ``strftime_now`` is deliberately absent: a template's output must not depend on
 the clock (templates that use it check ``strftime_now is defined`` and fall back to a fixed date).
+
+A model file without a template (Gemma 3 base) can still chat with ``--chat-template``: a jinja file, or the name
+of a built-in format shipped as data in ``detinfer/templates/`` (llama.cpp's built-in formats of the same name,
+src/llama-chat.cpp). Every kind renders through the same sandbox; where the text came from is ``origin``.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
 
 import jinja2
 import jinja2.ext
@@ -219,16 +224,30 @@ def load_messages(path: str | os.PathLike) -> list[dict[str, Any]]:
     return messages
 
 
+TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
+# --chat-template NAME → file in TEMPLATES_DIR: llama.cpp's built-in formats for files without a template.
+BUILTIN_TEMPLATES = {"gemma": "gemma.jinja", "chatml": "chatml.jinja"}
+Origin = Literal["model", "file", "builtin"]
+
+
 class ChatTemplate:
     """A chat template compiled in the sandbox.
 
     source: the jinja2 text; hash: sha256 hex of its UTF-8 bytes.
+    origin: "model" (the file's ``tokenizer.chat_template``), "file" (a jinja file the user gave) or "builtin";
+        name: the built-in's name or the file's name (None for the model's own).
+    add_bos: how to encode the rendered text: False for model and file templates, which write any BOS themselves
+        (``bos_token``, as HF templates do); None (the model's default) for built-ins, which like llama.cpp's leave
+        BOS to the tokenizer.
     Raises TemplateError if the source does not compile.
     """
 
-    def __init__(self, source: str):
+    def __init__(self, source: str, *, origin: Origin = "model", name: str | None = None):
         self.source = source
         self.hash = sha256_bytes(source.encode("utf-8"))
+        self.origin: Origin = origin
+        self.name = name
+        self.add_bos: bool | None = None if origin == "builtin" else False
         try:
             self._template = _environment().from_string(source)
         except jinja2.TemplateSyntaxError as e:
@@ -245,6 +264,40 @@ class ChatTemplate:
         if not isinstance(source, str):
             raise TemplateError(f"{mf.path.name}: tokenizer.chat_template is a {type(source).__name__}, not text")
         return cls(source)
+
+    @classmethod
+    def builtin(cls, name: str) -> ChatTemplate:
+        """The built-in format ``name`` (a key of BUILTIN_TEMPLATES); TemplateError listing them if unknown."""
+        if name not in BUILTIN_TEMPLATES:
+            raise TemplateError(f"no built-in chat format {name!r}; built-in formats: {', '.join(BUILTIN_TEMPLATES)}")
+        return cls((TEMPLATES_DIR / BUILTIN_TEMPLATES[name]).read_text(encoding="utf-8"), origin="builtin", name=name)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> ChatTemplate:
+        """A jinja chat template read from ``path`` (UTF-8); InputError if unreadable, TemplateError if it does not compile."""
+        path = Path(path)
+        try:
+            source = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise InputError(
+                f"chat template {str(path)!r} is neither a file nor a built-in format ({', '.join(BUILTIN_TEMPLATES)})"
+            ) from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise InputError(f"{path}: cannot read chat template ({_one_line(e)})") from None
+        return cls(source, origin="file", name=path.name)
+
+    @classmethod
+    def from_option(cls, value: str) -> ChatTemplate:
+        """``--chat-template VALUE``: a built-in format's name (these win), else a path to a jinja file."""
+        return cls.builtin(value) if value in BUILTIN_TEMPLATES else cls.from_file(value)
+
+    @classmethod
+    def from_record(cls, origin: Origin, name: str | None, source: str, sha256: str) -> ChatTemplate:
+        """The template a manifest recorded, from its recorded text; TemplateError if the text does not hash to ``sha256``."""
+        template = cls(source, origin=origin, name=name)
+        if template.hash != sha256:
+            raise TemplateError(f"the recorded chat template text has sha256 {template.hash}, but {sha256} was recorded")
+        return template
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, bos_token: str = "",
                eos_token: str = "", tools: list[dict[str, Any]] | None = None) -> str:  # fmt: skip

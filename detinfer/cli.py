@@ -32,6 +32,8 @@ KvOpt = Annotated[str, typer.Option("--kv-type", help="KV cache type: f32 or f16
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", help="Threads (default: all cores). Never changes a result.")]
 CacheBytesOpt = Annotated[int, typer.Option("--cache-bytes", help="Byte budget of the in-memory prefix cache (LRU).")]
 DEFAULT_CACHE_BYTES = 1 << 30
+ChatTemplateOpt = Annotated[Optional[str], typer.Option(
+    "--chat-template", help="Chat template instead of the model's: a built-in format (gemma, chatml) or a jinja file.")]
 
 
 def _fail(e: DetinferError) -> None:
@@ -123,7 +125,7 @@ def info(
 
 
 # run options a manifest records: passing them with --manifest would be silently ignored, so it is an error
-_RECORDED_OPTIONS = {"prompt", "prompt_file", "messages", "chat", "max_tokens", "temperature", "top_k", "top_p", "min_p",
+_RECORDED_OPTIONS = {"prompt", "prompt_file", "messages", "chat", "chat_template", "max_tokens", "temperature", "top_k", "top_p", "min_p",
                      "repeat_penalty", "repeat_last_n", "seed", "stop", "ignore_eos", "ctx", "kv_type"}
 
 
@@ -145,6 +147,7 @@ def run(
     prompt_file: Annotated[Optional[Path], typer.Option("--prompt-file", help="Read the prompt from a UTF-8 file.")] = None,
     messages: Annotated[Optional[Path], typer.Option("--messages", help="JSON file with a list of {role, content}.")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Render the prompt as a user message with the chat template.")] = False,
+    chat_template: ChatTemplateOpt = None,
     manifest: Annotated[Optional[Path], typer.Option("--manifest", help="Re-execute a recorded run and compare.")] = None,
     model: ModelOpt = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Maximum new tokens.")] = 128,
@@ -170,7 +173,7 @@ def run(
     from .manifest import load_manifest, write_manifest
     from .run import build_prompt, engine_for_manifest, execute, reexecute, sampling_record
     from .sampler import SamplingParams
-    from .chat import load_messages
+    from .chat import ChatTemplate, load_messages
 
     def stream(step) -> None:
         if not quiet and step.text:
@@ -209,6 +212,9 @@ def run(
             raise InputError("give exactly one of --prompt, --prompt-file, --messages (or --manifest)")
         text = _read_prompt_file(prompt_file) if prompt_file is not None else prompt
         msgs = load_messages(messages) if messages is not None else None
+        if chat_template is not None and not chat and msgs is None:
+            raise InputError("--chat-template formats a chat prompt; add --chat (or use --messages)")
+        template = ChatTemplate.from_option(chat_template) if chat_template is not None else None
         params = SamplingParams.create(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             repetition_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed,
@@ -216,10 +222,10 @@ def run(
         sampling = sampling_record(params, max_tokens=max_tokens, stop=stop or [], ignore_eos=ignore_eos)
         engine = Engine.load(model, n_ctx=ctx, kv_type=kv_type)
         _compile_kernels(engine)
-        prompt_record = build_prompt(engine, text=text, messages=msgs, chat=chat)
+        prompt_record = build_prompt(engine, text=text, messages=msgs, chat=chat, template=template)
         if not quiet:
             err.print(f"[dim]{escape(engine.model_file.path.name)}: {len(prompt_record.token_ids)} prompt tokens[/]")
-        result = execute(engine, prompt_record, sampling, chunk_size=chunk_size, on_step=stream)
+        result = execute(engine, prompt_record, sampling, chunk_size=chunk_size, on_step=stream, template=template)
         if not quiet:
             sys.stdout.write("\n")
         if out_path is not None:
@@ -339,6 +345,7 @@ def session_run(
     out_path: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the session record here.")] = None,
     kv_dir: Annotated[Optional[Path], typer.Option("--kv-dir", help="Save the KV cache after each turn here.")] = None,
     model: ModelOpt = None,
+    chat_template: ChatTemplateOpt = None,
     ctx: CtxOpt = 4096,
     kv_type: KvOpt = "f32",
     threads: ThreadsOpt = None,
@@ -346,6 +353,7 @@ def session_run(
     quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
 ) -> None:
     """Run a scripted multi-turn session and record it (written after every turn)."""
+    from .chat import ChatTemplate
     from .engine import Engine, set_threads
     from .kvcache import parse_kv_type
     from .prefix_cache import PrefixCache
@@ -355,9 +363,10 @@ def session_run(
         parse_kv_type(kv_type)
         set_threads(threads)
         sc = load_script(script)
+        template = ChatTemplate.from_option(chat_template) if chat_template is not None else None
         engine = Engine.load(model or sc.model, n_ctx=ctx, kv_type=kv_type)
         run_session(engine, sc.turns, sc.sampling, out=out_path, kv_dir=kv_dir, on_step=_stream(quiet),
-                    prefix_cache=PrefixCache(cache_bytes),
+                    prefix_cache=PrefixCache(cache_bytes), template=template,
                     on_turn=lambda i, rec: (None if quiet else sys.stdout.write("\n"), _turn_line(i, rec)))
     except DetinferError as e:
         _fail(e)
@@ -447,6 +456,7 @@ def chat(
     record_path: Annotated[Optional[Path], typer.Option("--record", help="Record the conversation to this session file.")] = None,
     system: Annotated[Optional[str], typer.Option("--system", help="System message.")] = None,
     model: ModelOpt = None,
+    chat_template: ChatTemplateOpt = None,
     ctx: CtxOpt = 4096,
     kv_type: KvOpt = "f32",
     threads: ThreadsOpt = None,
@@ -456,6 +466,7 @@ def chat(
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n")] = 256,
 ) -> None:
     """Interactive multi-turn chat (empty line or EOF ends it); recorded turn by turn with --record."""
+    from .chat import ChatTemplate
     from .engine import Engine, set_threads
     from .kvcache import parse_kv_type
     from .session import Conversation, TurnSampling, effective_sampling, new_record, run_turn, write_session
@@ -463,10 +474,11 @@ def chat(
     try:
         parse_kv_type(kv_type)
         set_threads(threads)
+        template = ChatTemplate.from_option(chat_template) if chat_template is not None else None
         engine = Engine.load(model, n_ctx=ctx, kv_type=kv_type)
         _compile_kernels(engine)
         sampling = effective_sampling(TurnSampling(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens), None)
-        conv, cache, turns = Conversation(engine), engine.new_cache(), []
+        conv, cache, turns = Conversation(engine, template), engine.new_cache(), []
         while True:
             try:
                 line = input("> " if sys.stdin.isatty() else "")
@@ -478,7 +490,7 @@ def chat(
             turns.append(run_turn(engine, conv, cache, msgs, sampling, on_step=_stream(False)))
             sys.stdout.write("\n")
             if record_path is not None:
-                write_session(new_record(engine, turns), record_path)
+                write_session(new_record(engine, turns, template), record_path)
     except DetinferError as e:
         _fail(e)
 

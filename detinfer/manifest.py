@@ -4,6 +4,10 @@
 re-execution must reproduce. "Informative" fields (threads, chunk size, timings, CPU, versions) are recorded
 and shown but never compared. ``section_sha256`` holds one hash per contract section, so an edited manifest
 is caught and the edited section named.
+
+Schema 2 added ``chat_template``: which template a chat prompt was rendered with when it was not the model's own
+(a jinja file or a built-in format), with its text, so ``run --manifest`` and ``verify`` render it again without
+the file. It is a contract section only when present, so schema-1 manifests load and verify unchanged.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from .errors import KVTypeError, ManifestError
 from .fileio import atomic_write_text, read_json
 from .kvcache import KV_QUANT_REASON, QUANTIZED_KV_TYPES
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)  # 1: before ``chat_template``; same fields otherwise
 
 
 class _Record(BaseModel):
@@ -52,6 +57,15 @@ class PromptRecord(_Record):
     rendered: str
     token_ids: list[int]
     tokens_sha256: str
+
+
+class ChatTemplateRecord(_Record):
+    """A chat template that did not come from the model file: where from, its sha256 and its full text."""
+
+    origin: Literal["file", "builtin"]
+    name: str  # built-in format name, or the file's name (informative: the text is what counts)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    source: str
 
 
 class EngineRecord(_Record):
@@ -92,15 +106,17 @@ class Informative(_Record):
 
 
 CONTRACT_FIELDS = ("model", "tokenizer_sha256", "chat_template_sha256", "prompt", "sampling", "engine", "output")
+OPTIONAL_CONTRACT_FIELDS = ("chat_template",)  # contract sections when present (not None)
 
 
 class RunManifest(_Record):
     """A recorded run. Load with :func:`load_manifest`, write with :func:`write_manifest`."""
 
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[1, 2] = SCHEMA_VERSION
     model: ModelRecord
     tokenizer_sha256: str
     chat_template_sha256: str | None
+    chat_template: ChatTemplateRecord | None = None
     prompt: PromptRecord
     sampling: SamplingRecord
     engine: EngineRecord
@@ -108,14 +124,18 @@ class RunManifest(_Record):
     section_sha256: dict[str, str] = {}
     informative: Informative
 
+    def contract_fields(self) -> tuple[str, ...]:
+        """CONTRACT_FIELDS plus the optional ones this manifest has."""
+        return CONTRACT_FIELDS + tuple(k for k in OPTIONAL_CONTRACT_FIELDS if getattr(self, k) is not None)
+
     def contract(self) -> dict[str, Any]:
         """The fields a re-execution must reproduce, as JSON-able data."""
-        return self.model_dump(mode="json", include=set(CONTRACT_FIELDS))
+        return self.model_dump(mode="json", include=set(self.contract_fields()))
 
     def compute_section_sha256(self) -> dict[str, str]:
         """sha256 of the canonical JSON of each contract section."""
         contract = self.contract()
-        return {k: hashlib.sha256(canonical_json(contract[k]).encode()).hexdigest() for k in CONTRACT_FIELDS}
+        return {k: hashlib.sha256(canonical_json(contract[k]).encode()).hexdigest() for k in self.contract_fields()}
 
     def sealed(self) -> "RunManifest":
         """This manifest with ``section_sha256`` filled in."""
@@ -153,7 +173,7 @@ def load_manifest(path: str | Path) -> RunManifest:
     if not isinstance(data, dict):
         raise ManifestError(f"{path} is not a manifest: expected a JSON object")
     version = data.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if version not in READABLE_SCHEMAS:
         raise ManifestError(
             f"{path} has schema_version {version!r}; this detinfer (schema {SCHEMA_VERSION}) cannot read it"
             + ("; upgrade detinfer" if isinstance(version, int) and version > SCHEMA_VERSION else "")
@@ -172,7 +192,8 @@ def load_manifest(path: str | Path) -> RunManifest:
             name = "prompt" if section is manifest.prompt else "output"
             raise ManifestError(f"{path}: {name}.token_ids do not match {name}.tokens_sha256; the manifest was edited")
     expected = manifest.compute_section_sha256()
-    edited = [k for k in CONTRACT_FIELDS if manifest.section_sha256.get(k) != expected[k]]
+    edited = [k for k in manifest.contract_fields() if manifest.section_sha256.get(k) != expected[k]]
+    edited += [k for k in OPTIONAL_CONTRACT_FIELDS if k in manifest.section_sha256 and k not in expected]  # removed
     if edited:
         raise ManifestError(f"{path}: section(s) {', '.join(edited)} no longer match their sha256; the manifest was edited")
     return manifest

@@ -7,17 +7,19 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numba
 import numpy as np
 import llvmlite
 
 from . import __version__
+from .chat import BUILTIN_TEMPLATES, ChatTemplate
 from .engine import DEFAULT_CHUNK, Engine
 from .errors import InputError, ManifestError, TemplateError
 from .generate import GenerationResult, Step, generate
 from .manifest import (
+    ChatTemplateRecord,
     EngineRecord,
     Informative,
     Message,
@@ -38,24 +40,31 @@ def versions() -> dict[str, str]:
     return {"detinfer": __version__, "numba": numba.__version__, "llvmlite": llvmlite.__version__, "numpy": np.__version__}
 
 
-def build_prompt(engine: Engine, *, text: str | None = None, messages: list[dict] | None = None, chat: bool = False) -> PromptRecord:
+def build_prompt(engine: Engine, *, text: str | None = None, messages: list[dict] | None = None, chat: bool = False,
+                 template: ChatTemplate | None = None) -> PromptRecord:  # fmt: skip
     """Turn user input into a prompt record with exact token ids.
 
     Plain text is tokenized as typed (special-token strings stay text, BOS per the model). With ``chat`` (or
-    ``messages``) the model's chat template renders the conversation and its special tokens are parsed.
-    Raises InputError for empty input, TemplateError if the model has no chat template.
+    ``messages``) a chat template renders the conversation and its special tokens are parsed: ``template`` if
+    given (``--chat-template``: a jinja file or a built-in format), else the model's own. Built-in formats get
+    the model's BOS from the tokenizer (as in llama.cpp); other templates write it themselves.
+    Raises InputError for empty input, TemplateError if a chat prompt has no template to use.
     """
     tok = engine.tokenizer
     if messages is None and text is None:
         raise InputError("no prompt given; use --prompt, --prompt-file or --messages")
     if messages is not None or chat:
-        if engine.chat_template is None:
-            raise TemplateError(f"{engine.model_file.path.name} has no chat template; run without --chat")
+        template = template or engine.chat_template
+        if template is None:
+            raise TemplateError(
+                f"{engine.model_file.path.name} has no chat template; pass --chat-template with a built-in format "
+                f"({', '.join(BUILTIN_TEMPLATES)}) or a jinja file, or run without --chat"
+            )
         msgs = messages if messages is not None else [{"role": "user", "content": text}]
         bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
         eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
-        rendered = engine.chat_template.render(msgs, add_generation_prompt=True, bos_token=bos, eos_token=eos)
-        ids = tok.encode(rendered, add_bos=False, parse_special=True)
+        rendered = template.render(msgs, add_generation_prompt=True, bos_token=bos, eos_token=eos)
+        ids = tok.encode(rendered, add_bos=template.add_bos, parse_special=True)
         return PromptRecord(
             text=None if messages is not None else text,
             messages=[Message(role=m["role"], content=m["content"]) for m in msgs],
@@ -68,6 +77,28 @@ def build_prompt(engine: Engine, *, text: str | None = None, messages: list[dict
         raise InputError("the prompt is empty; pass some text with --prompt or --prompt-file")
     ids = tok.encode(text)
     return PromptRecord(text=text, messages=None, chat=False, rendered=text, token_ids=ids, tokens_sha256=tokens_sha256(ids))
+
+
+def template_record(template: ChatTemplate | None) -> ChatTemplateRecord | None:
+    """What a manifest keeps of a chat template that is not the model's own (None for the model's or none)."""
+    if template is None or template.origin == "model":
+        return None
+    return ChatTemplateRecord(origin=template.origin, name=template.name or "", sha256=template.hash, source=template.source)
+
+
+def recorded_template(manifest: RunManifest | Any) -> ChatTemplate | None:
+    """The chat template a manifest (or session record: the same two fields) was rendered with, if it was not the
+    model's own, rebuilt from the recorded text. Raises ManifestError if that text does not hash to what was
+    recorded."""
+    rec = manifest.chat_template
+    if rec is None:
+        return None
+    if rec.sha256 != manifest.chat_template_sha256:
+        raise ManifestError(f"chat_template.sha256 {rec.sha256[:16]}... differs from chat_template_sha256; the manifest is inconsistent")
+    try:
+        return ChatTemplate.from_record(rec.origin, rec.name, rec.source, rec.sha256)
+    except TemplateError as e:
+        raise ManifestError(f"the manifest's chat template cannot be used: {e}") from None
 
 
 def sampling_record(params: SamplingParams, *, max_tokens: int, stop: Sequence[str] = (), ignore_eos: bool = False) -> SamplingRecord:
@@ -95,10 +126,12 @@ def execute(
     *,
     chunk_size: int = DEFAULT_CHUNK,
     on_step: Callable[[Step], None] | None = None,
+    template: ChatTemplate | None = None,
 ) -> RunManifest:
     """Generate from ``prompt`` with ``sampling`` and return the (sealed) manifest of the run.
 
-    ``on_step`` is called for every step as it is produced (e.g. to stream text to a terminal).
+    ``on_step`` is called for every step as it is produced (e.g. to stream text to a terminal). ``template``: the
+    chat template ``build_prompt`` was given, recorded with its text unless it is the model's own.
     """
     params = SamplingParams.from_dict(sampling.model_dump(exclude={"max_tokens", "stop", "ignore_eos"}))
     res = GenerationResult()
@@ -126,7 +159,8 @@ def execute(
     return RunManifest(
         model=model_record(engine),
         tokenizer_sha256=engine.tokenizer.hash,
-        chat_template_sha256=engine.chat_template.hash if engine.chat_template else None,
+        chat_template_sha256=used.hash if (used := template or engine.chat_template) else None,
+        chat_template=template_record(template) if prompt.chat else None,
         prompt=prompt,
         sampling=sampling,
         engine=EngineRecord(n_ctx=engine.n_ctx, kv_type=engine.kv_type),
@@ -173,6 +207,7 @@ def compare(expected: RunManifest, actual: RunManifest) -> Comparison:
     check("model.sha256", expected.model.sha256, actual.model.sha256)
     check("tokenizer_sha256", expected.tokenizer_sha256, actual.tokenizer_sha256)
     check("chat_template_sha256", expected.chat_template_sha256, actual.chat_template_sha256)
+    check("chat_template", expected.chat_template, actual.chat_template)
     check("prompt.tokens_sha256", expected.prompt.tokens_sha256, actual.prompt.tokens_sha256)
     check("output.token_ids", expected.output.token_ids, actual.output.token_ids)
     check("output.text", expected.output.text, actual.output.text)
@@ -215,8 +250,10 @@ def reexecute(manifest: RunManifest, engine: Engine, *, chunk_size: int = DEFAUL
     if engine.model_file.sha256 != manifest.model.sha256:
         raise ManifestError("the manifest's model sha256 does not match the loaded model")
     p = manifest.prompt
-    retokenized = build_prompt(engine, text=p.text, messages=[m.model_dump() for m in p.messages] if p.messages and p.text is None else None, chat=p.chat)
-    actual = execute(engine, p, manifest.sampling, chunk_size=chunk_size, on_step=on_step)
+    template = recorded_template(manifest)
+    retokenized = build_prompt(engine, text=p.text, messages=[m.model_dump() for m in p.messages] if p.messages and p.text is None else None,
+                               chat=p.chat, template=template)
+    actual = execute(engine, p, manifest.sampling, chunk_size=chunk_size, on_step=on_step, template=template)
     comparison = compare(manifest, actual)
     if retokenized.token_ids != p.token_ids:
         extra = Difference("prompt.token_ids (re-tokenized)", _short(p.token_ids), _short(retokenized.token_ids))

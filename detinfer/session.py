@@ -16,17 +16,19 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .chat import BUILTIN_TEMPLATES, ChatTemplate
 from .engine import Engine
 from .errors import InputError, ManifestError
 from .fileio import atomic_write_text, read_json
 from .generate import GenerationResult, Step, check_prompt, generate
 from .kvcache import KVCache
-from .manifest import EngineRecord, ModelRecord, canonical_json
+from .manifest import ChatTemplateRecord, EngineRecord, ModelRecord, canonical_json
 from .prefix_cache import PrefixCache
-from .run import first_difference, model_record, versions
+from .run import first_difference, model_record, recorded_template, template_record, versions
 from .sampler import SamplingParams
 
-SESSION_SCHEMA_VERSION = 1
+SESSION_SCHEMA_VERSION = 2
+READABLE_SESSION_SCHEMAS = (1, 2)  # 1: before ``chat_template``
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -81,10 +83,11 @@ class TurnRecord(_Strict):
 
 
 class SessionRecord(_Strict):
-    schema_version: Literal[1] = SESSION_SCHEMA_VERSION
+    schema_version: Literal[1, 2] = SESSION_SCHEMA_VERSION
     model: ModelRecord
     tokenizer_sha256: str
     chat_template_sha256: str | None
+    chat_template: ChatTemplateRecord | None = None  # a --chat-template (built-in or file) with its text
     engine: EngineRecord
     turns: list[TurnRecord]
     informative: dict[str, Any] = {}
@@ -123,16 +126,20 @@ def load_script(path: str | Path) -> SessionScript:
 class Conversation:
     """A conversation as token ids plus the messages that produced them (for rendering the next turn)."""
 
-    def __init__(self, engine: Engine):
-        if engine.chat_template is None:
-            raise InputError(f"{engine.model_file.path.name} has no chat template; sessions need one")
+    def __init__(self, engine: Engine, template: ChatTemplate | None = None):
+        self.template = template or engine.chat_template
+        if self.template is None:
+            raise InputError(
+                f"{engine.model_file.path.name} has no chat template; sessions need one: pass --chat-template with a "
+                f"built-in format ({', '.join(BUILTIN_TEMPLATES)}) or a jinja file"
+            )
         self.engine = engine
         self.messages: list[dict] = []
         self.tokens: list[int] = []
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         tok = self.engine.tokenizer
-        return self.engine.chat_template.render(
+        return self.template.render(
             messages,
             add_generation_prompt=generation_prompt,
             bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
@@ -145,7 +152,7 @@ class Conversation:
         tok = self.engine.tokenizer
         full = self._render(self.messages + messages, True)
         if not self.tokens:
-            return tok.encode(full, add_bos=False, parse_special=True), None
+            return tok.encode(full, add_bos=self.template.add_bos, parse_special=True), None
         history_text = tok.decode(self.tokens)
         note = None
         if full.startswith(history_text):
@@ -214,13 +221,16 @@ def run_turn(
     return record
 
 
-def new_record(engine: Engine, turns: list[TurnRecord]) -> SessionRecord:
+def new_record(engine: Engine, turns: list[TurnRecord], template: ChatTemplate | None = None) -> SessionRecord:
+    """The session record of ``turns``; ``template``: a --chat-template used instead of the model's (recorded with its text)."""
     import numba
 
+    used = template or engine.chat_template
     return SessionRecord(
         model=model_record(engine),
         tokenizer_sha256=engine.tokenizer.hash,
-        chat_template_sha256=engine.chat_template.hash if engine.chat_template else None,
+        chat_template_sha256=used.hash if used else None,
+        chat_template=template_record(template),
         engine=EngineRecord(n_ctx=engine.n_ctx, kv_type=engine.kv_type),
         turns=turns,
         informative={"threads": numba.get_num_threads(), "versions": versions(), "model_path": str(engine.model_file.path)},
@@ -236,8 +246,9 @@ def load_session(path: str | Path) -> SessionRecord:
     """Read a session record; ManifestError (one line) if unreadable, not JSON, another schema or invalid."""
     path = Path(path)
     data = read_json(path, ManifestError, "session record")
-    if not isinstance(data, dict) or data.get("schema_version") != SESSION_SCHEMA_VERSION:
-        raise ManifestError(f"{path}: session schema_version {data.get('schema_version') if isinstance(data, dict) else None!r} is not {SESSION_SCHEMA_VERSION}")
+    if not isinstance(data, dict) or data.get("schema_version") not in READABLE_SESSION_SCHEMAS:
+        version = data.get("schema_version") if isinstance(data, dict) else None
+        raise ManifestError(f"{path}: session schema_version {version!r} is not one this detinfer reads: {', '.join(map(str, READABLE_SESSION_SCHEMAS))}")
     try:
         return SessionRecord.model_validate(data)
     except ValidationError as e:
@@ -256,13 +267,17 @@ def run_session(
     on_step: Callable[[Step], None] | None = None,
     on_turn: Callable[[int, TurnRecord], None] | None = None,
     prefix_cache: PrefixCache | None = None,
+    template: ChatTemplate | None = None,
 ) -> SessionRecord:
     """Run scripted turns (after replaying ``prior``'s turns exactly, for branching) and record them.
 
     The record is written to ``out`` after every turn, so a later failing turn loses nothing recorded before it.
-    With ``kv_dir`` the KV cache is saved after each turn as ``turn-NNN.detkv``.
+    With ``kv_dir`` the KV cache is saved after each turn as ``turn-NNN.detkv``. ``template``: a --chat-template
+    instead of the model's; a branch (``prior``) keeps the template ``prior`` recorded.
     """
-    conv = Conversation(engine)
+    if prior is not None:
+        template = _session_template(prior)
+    conv = Conversation(engine, template)
     cache = engine.new_cache()
     records: list[TurnRecord] = []
     if prior is not None:
@@ -279,7 +294,7 @@ def run_session(
                            prefix_cache=prefix_cache)
         except InputError as e:
             if out is not None:
-                write_session(new_record(engine, records), out)
+                write_session(new_record(engine, records, template), out)
             raise InputError(f"turn {len(records) + 1}: {e}") from None
         records.append(rec)
         if kv_dir is not None:
@@ -288,10 +303,15 @@ def run_session(
             save_kv(Path(kv_dir) / f"turn-{len(records):03d}.detkv", cache, model_sha256=engine.model_file.sha256,
                     tokenizer_sha256=engine.tokenizer.hash)
         if out is not None:
-            write_session(new_record(engine, records), out)
+            write_session(new_record(engine, records, template), out)
         if on_turn:
             on_turn(len(records), rec)
-    return new_record(engine, records)
+    return new_record(engine, records, template)
+
+
+def _session_template(record: SessionRecord) -> ChatTemplate | None:
+    """The --chat-template a session recorded (rebuilt from its text), or None for the model's own."""
+    return recorded_template(record)  # same fields as a run manifest: chat_template, chat_template_sha256
 
 
 def compare_turn(expected: TurnRecord, actual: TurnRecord) -> list[str]:
@@ -321,7 +341,7 @@ def replay_turns(
             f"the session was recorded with model sha256 {record.model.sha256[:16]}... but {engine.model_file.path.name} "
             f"has {engine.model_file.sha256[:16]}...; pass the right file with --model"
         )
-    conv = Conversation(engine)
+    conv = Conversation(engine, _session_template(record))
     cache = engine.new_cache()
     results = []
     for i, turn in enumerate(record.turns[:until]):

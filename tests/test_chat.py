@@ -8,10 +8,15 @@ from pathlib import Path
 
 import gguf
 import pytest
+from cli_helpers import cli
+from conftest import REFERENCE_DIR
+from gguf_factory import write_tiny_gguf
 
-from detinfer.chat import ChatTemplate, load_messages, validate_messages
-from detinfer.errors import DetinferError, InputError, TemplateError
+from detinfer.chat import BUILTIN_TEMPLATES, ChatTemplate, load_messages, validate_messages
+from detinfer.errors import DetinferError, InputError, ManifestError, TemplateError
 from detinfer.gguf_file import ModelFile
+from detinfer.manifest import SCHEMA_VERSION, load_manifest
+from detinfer.registry import ensure_model
 from detinfer.tokenizer import Tokenizer
 
 USER = [{"role": "user", "content": "Hi"}]
@@ -181,3 +186,165 @@ def test_load_messages_errors_name_file_and_problem(tmp_path: Path, content, mat
     with pytest.raises(InputError, match=match) as e:
         load_messages(path)
     assert str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+# --- --chat-template: built-in formats (llama.cpp's) and jinja files, for models without a template
+
+
+@pytest.fixture(scope="module")
+def gemma_tok() -> Tokenizer:
+    return Tokenizer.from_model(ModelFile(ensure_model("gemma3-270m-q4_k_m")))
+
+
+def test_builtin_gemma_renders_and_tokenizes_like_llamacpp(gemma_tok: Tokenizer):
+    # The gemma file has no template; llama.cpp formatted the reference chat prompt with its built-in "gemma"
+    reference = json.loads((REFERENCE_DIR / "gemma3-270m-q4_k_m.llamacpp.json").read_text())
+    chat = reference_chat(reference)
+    question = "What are three good habits for staying healthy? Answer in two sentences."
+    t = ChatTemplate.builtin("gemma")
+    rendered = t.render([{"role": "user", "content": question}], bos_token="<bos>", eos_token="<eos>")
+    assert rendered == chat["text"]
+    assert t.add_bos is None  # built-ins leave BOS to the tokenizer, as llama.cpp does
+    assert gemma_tok.encode(rendered, add_bos=t.add_bos, parse_special=True) == chat["tokens"]
+
+
+def test_builtin_gemma_merges_system_into_first_user_turn():
+    messages = [
+        {"role": "system", "content": " Be brief.\n"},
+        {"role": "system", "content": "Be kind."},
+        {"role": "user", "content": "\u00a0hi\t"},  # only ASCII whitespace is trimmed (C isspace)
+        {"role": "assistant", "content": "yo "},
+        {"role": "user", "content": "x"},
+    ]
+    assert ChatTemplate.builtin("gemma").render(messages, add_generation_prompt=False) == (
+        "<start_of_turn>user\nBe brief.Be kind.\n\n\u00a0hi<end_of_turn>\n"
+        "<start_of_turn>model\nyo<end_of_turn>\n<start_of_turn>user\nx<end_of_turn>\n"
+    )
+
+
+def test_builtin_chatml():
+    t = ChatTemplate.builtin("chatml")
+    assert t.render(USER) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert (t.origin, t.name) == ("builtin", "chatml")
+
+
+def test_template_option_resolves_builtin_then_file(tmp_path: Path):
+    assert ChatTemplate.from_option("gemma").origin == "builtin"
+    f = tmp_path / "mine.jinja"
+    f.write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}", encoding="utf-8")
+    t = ChatTemplate.from_option(str(f))
+    assert (t.origin, t.name, t.add_bos) == ("file", "mine.jinja", False)
+    assert t.render(USER) == "[Hi]"
+    with pytest.raises(InputError, match=r"'nope\.jinja' is neither a file nor a built-in format \(gemma, chatml\)"):
+        ChatTemplate.from_option("nope.jinja")
+    with pytest.raises(TemplateError, match="no built-in chat format 'llama9'; built-in formats: gemma, chatml"):
+        ChatTemplate.builtin("llama9")
+    assert set(BUILTIN_TEMPLATES) == {"gemma", "chatml"}
+
+
+@pytest.fixture(scope="module")
+def plain_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model (ChatML special tokens, BOS id 1, add_bos false) whose file has no chat template."""
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny-plain") / "tiny-plain.gguf")
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("detinfer-home")
+
+
+def run_chat(home: Path, model: Path, out: Path, *extra):
+    return cli(home, "run", "--model", model, "--chat", "--prompt", "hi there, the cat", "--max-tokens", "3",
+               "--ignore-eos", "--ctx", "64", "--out", out, "--quiet", *extra)  # fmt: skip
+
+
+def test_chat_without_template_names_the_fix(home: Path, plain_model: Path, tmp_path: Path):
+    r = run_chat(home, plain_model, tmp_path / "run.json")
+    assert r.exit_code == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "has no chat template; pass --chat-template" in lines[0] and "gemma, chatml" in lines[0]
+    r = cli(home, "run", "--model", plain_model, "--prompt", "hi", "--chat-template", "chatml")
+    assert r.exit_code == 2 and "--chat-template formats a chat prompt; add --chat" in r.stderr
+
+
+def test_builtin_template_is_recorded_and_reexecuted(home: Path, plain_model: Path, tmp_path: Path):
+    out = tmp_path / "run.json"
+    r = run_chat(home, plain_model, out, "--chat-template", "chatml")
+    assert r.exit_code == 0, r.output
+    m = load_manifest(out)
+    assert m.schema_version == SCHEMA_VERSION == 2
+    builtin = ChatTemplate.builtin("chatml")
+    assert m.chat_template is not None
+    assert (m.chat_template.origin, m.chat_template.name, m.chat_template.source) == ("builtin", "chatml", builtin.source)
+    assert m.chat_template_sha256 == m.chat_template.sha256 == builtin.hash
+    assert m.prompt.rendered == "<|im_start|>user\nhi there, the cat<|im_end|>\n<|im_start|>assistant\n"
+    assert m.prompt.token_ids[0] == 1  # <|im_start|>, parsed; no BOS prepended (the model's add_bos is false)
+    assert "chat_template" in m.section_sha256
+    r = cli(home, "run", "--manifest", out, "--quiet")
+    assert r.exit_code == 0 and "match" in r.stderr, r.output
+    r = cli(home, "verify", out, "--json")
+    assert r.exit_code == 0, r.output
+    r = cli(home, "run", "--manifest", out, "--chat-template", "gemma")
+    assert r.exit_code == 2 and "drop --chat-template" in r.stderr
+
+
+def test_template_file_is_recorded_and_reexecuted_without_the_file(home: Path, plain_model: Path, tmp_path: Path):
+    f = tmp_path / "mine.jinja"
+    f.write_text("{% for m in messages %}<|im_start|>{{ m['role'] }}: {{ m['content'] }}<|im_end|>{% endfor %}"
+                 "<|im_start|>", encoding="utf-8")  # fmt: skip
+    out = tmp_path / "run.json"
+    assert run_chat(home, plain_model, out, "--chat-template", f).exit_code == 0
+    m = load_manifest(out)
+    assert m.chat_template is not None and (m.chat_template.origin, m.chat_template.name) == ("file", "mine.jinja")
+    assert m.prompt.rendered == "<|im_start|>user: hi there, the cat<|im_end|><|im_start|>"
+    f.unlink()  # the manifest holds the text: re-execution does not need the file
+    r = cli(home, "run", "--manifest", out, "--quiet")
+    assert r.exit_code == 0 and "match" in r.stderr, r.output
+
+
+def test_edited_recorded_template_is_caught(home: Path, plain_model: Path, tmp_path: Path):
+    out = tmp_path / "run.json"
+    assert run_chat(home, plain_model, out, "--chat-template", "chatml").exit_code == 0
+    data = json.loads(out.read_text())
+    data["chat_template"]["source"] = data["chat_template"]["source"].replace("assistant", "bot")
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(data))
+    with pytest.raises(ManifestError, match="section\\(s\\) chat_template no longer match"):
+        load_manifest(edited)
+    del data["chat_template"]  # dropping the record is caught too: its section hash is still listed
+    edited.write_text(json.dumps(data))
+    with pytest.raises(ManifestError, match="chat_template no longer match"):
+        load_manifest(edited)
+
+
+def test_sessions_record_and_replay_a_chat_template(home: Path, plain_model: Path, tmp_path: Path):
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps({"sampling": {"max_tokens": 3}, "turns": [
+        {"messages": [{"role": "user", "content": "hi there"}]},
+        {"messages": [{"role": "user", "content": "the cat"}]},
+    ]}))  # fmt: skip
+    rec = tmp_path / "session.json"
+    r = cli(home, "session", "run", script, "--model", plain_model, "--ctx", "64", "--chat-template", "chatml", "--out", rec, "-q")
+    assert r.exit_code == 0, r.output
+    data = json.loads(rec.read_text())
+    assert data["schema_version"] == 2 and data["chat_template"]["name"] == "chatml"
+    assert data["chat_template_sha256"] == ChatTemplate.builtin("chatml").hash
+    r = cli(home, "replay", rec, "--json")  # the recorded template is used: the model file has none
+    assert r.exit_code == 0, r.output
+    assert [row["result"] for row in json.loads(r.stdout)] == ["match", "match"]
+    r = cli(home, "session", "run", script, "--model", plain_model, "--ctx", "64", "-q")
+    assert r.exit_code == 2 and "has no chat template; sessions need one: pass --chat-template" in r.stderr
+
+
+def test_interactive_chat_with_a_chat_template(home: Path, plain_model: Path, tmp_path: Path):
+    from cli_helpers import runner
+
+    from detinfer.cli import app
+
+    rec = tmp_path / "chat.json"
+    args = ["chat", "--model", str(plain_model), "--ctx", "64", "-n", "3", "--chat-template", "chatml", "--record", str(rec)]
+    r = runner.invoke(app, args, input="hi there\n\n", env={"DETINFER_HOME": str(home), "COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    data = json.loads(rec.read_text())
+    assert data["chat_template"]["origin"] == "builtin" and len(data["turns"]) == 1
+    assert data["turns"][0]["appended_token_ids"][0] == 1  # <|im_start|> of the chatml rendering, parsed
