@@ -135,7 +135,7 @@ def block_fields(qtype: Q, raw: np.ndarray, n_in: int):
 
     d[..., 0] scales elements 0-15, d[..., 1] elements 16-31 (equal except in Q6_K). Nibble formats: byte j
     holds element j in its low nibble and element j+16 in its high one, Q5 bit 4 of element e is bit e of qh.
-    Offsets: Q4_0 -8 d, Q5_0 -16 d, Q4_K/Q5_K -(dmin * m); Q6_K codes are q - 32 with no offset.
+    Offsets: Q4_0 -8 d, Q4_K/Q5_K -(dmin * m); Q5_0 and Q6_K have signed codes q - 16, q - 32 and no offset.
     """
     n_out = raw.shape[0]
     block_size = GGML_QUANT_SIZES[qtype][0]
@@ -150,7 +150,10 @@ def block_fields(qtype: Q, raw: np.ndarray, n_in: int):
             if qtype in (Q.Q5_0, Q.Q5_1):
                 qh = blk["qh"].view("<u4")[..., 0]
                 codes += 16 * ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1)
-            m = blk["m"].astype(np.float64) if qtype in (Q.Q4_1, Q.Q5_1) else (-8.0 if qtype == Q.Q4_0 else -16.0) * d
+            if qtype == Q.Q5_0:  # widened to the Q8_0 kernel: signed codes, no offset
+                codes, m = codes - 16.0, None
+            else:
+                m = blk["m"].astype(np.float64) if qtype != Q.Q4_0 else -8.0 * d
         return codes, np.stack([d, d], axis=-1), m
     if qtype == Q.Q6_K:
         # element 128 h + 64 n + l: nibble n of ql[64 h + l]; element 128 h + 32 k + l: bits 2k, 2k+1 of qh[32 h + l]
@@ -313,7 +316,7 @@ def emulate_matmul_f32(qtype: Q, raw: np.ndarray, n_in: int, x: np.ndarray) -> n
             c[k] = fma32_emulated(codes[None, :, :, e], xb[:, None, :, e], c[k])
     s = (c[0] + c[1]) + (c[2] + c[3])
     acc = np.zeros((T, codes.shape[0]), f)
-    if qtype == Q.Q8_0:
+    if qtype in (Q.Q8_0, Q.Q5_0):
         for b in range(codes.shape[1]):  # blocks left to right: acc = fma(d, s, acc)
             acc = fma32_emulated(d[None, :, b, 0], s[:, :, b], acc)
         return acc
