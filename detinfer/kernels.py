@@ -239,7 +239,9 @@ def matmul_nibbles(qs, qh, d, m, x, xsum, out):
         at bits 0-1, 2-3, 4-5, 6-7, and the code is q - 32 (signed). In qs rather than a separate array: a
         fourth array in the chunk loop stopped LLVM from vectorizing it (4-6x slower, measured).
     d: float32 [G, nb, ROWS] block scale (Q6_K: [G, nb, 2*ROWS], the scales of elements 0-15, then 16-31);
-    m: float32 [G, nb, ROWS] block offset, or None for Q6_K; x: float32 [T, nb*32]; xsum: float32 [T, nb] from
+    m: float32 [G, nb, ROWS] block offset, or None for Q6_K. Element value = d * code + m, exactly: Q4_0 (d, -8 d),
+    Q4_1 and Q5_1 (d, m), Q4_K and Q5_K sub-blocks (d * sc, -(dmin * m)), Q6_K (d * sc, code q - 32), as in
+    ggml-quants.c ``dequantize_row_*`` (see quants.unpack_rows); x: float32 [T, nb*32]; xsum: float32 [T, nb] from
     :func:`block_sums`; out: float32 [T, n_out] with n_out <= G*ROWS (padding rows are not written).
     Order per output (float32, fma = one rounding, :func:`fma32`): per block, four partial sums over the
     elements e = 8k .. 8k+7 in increasing e, c_k = fma(q_e, x_e, c_k) from c_k = +0; then blocks left to right

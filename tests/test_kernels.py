@@ -21,6 +21,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 
 from detinfer import kernels
+from detinfer.gguf_file import SUPPORTED_TYPES
 from detinfer.quants import F16_TO_F32
 from detinfer.weights import QMatrix
 
@@ -197,6 +198,11 @@ def run_matmul(mat: QMatrix, x: np.ndarray) -> np.ndarray:
     out = np.full((T, mat.n_out), np.nan, np.float32)
     mat(x, xsum, out)
     return out
+
+
+def test_every_supported_type_has_matmul_tests():
+    """The types a model file may hold (gguf_file.SUPPORTED_TYPES) are exactly those the matmul tests cover."""
+    assert set(MATRIX_TYPES) == SUPPORTED_TYPES
 
 
 @pytest.mark.parametrize("n_out, n_in", MATRIX_SHAPES, ids=lambda v: str(v))

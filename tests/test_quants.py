@@ -8,7 +8,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from detinfer.gguf_file import ModelFile
+from detinfer.gguf_file import SUPPORTED_TYPES, ModelFile
 from detinfer.quants import F16_TO_F32, dequantize, dequantize_row, f32_to_f16_array, f32_to_f16_bits, unpack_rows
 
 K_QUANTS = [T.Q4_K, T.Q5_K, T.Q6_K]
@@ -165,6 +165,11 @@ def random_rows(qtype: T, n_rows: int, n_cols: int, rng: np.random.Generator) ->
         blocks["d"] = magnitude * rng.choice([-1.0, 1.0], n_blocks) / (127 if qtype == T.Q6_K else 1)
     assert np.all(blocks["d"] != 0) and np.all(np.isfinite(blocks["d"]))
     return blocks.view(np.uint8).reshape(n_rows, row_bytes)
+
+
+def test_every_supported_type_has_dequantization_tests():
+    """The types a model file may hold (gguf_file.SUPPORTED_TYPES) are exactly those tested here."""
+    assert set(ALL_TYPES) == SUPPORTED_TYPES
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
