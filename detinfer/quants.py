@@ -427,6 +427,9 @@ def unpack_rows(ggml_type_id, raw, codes, scale, offset):
     Raises ValueError for another type or mismatched lengths.
     """
     n = codes.shape[1]
+    sub = 16 if ggml_type_id == _Q6_K else 32
+    if codes.shape[0] != raw.shape[0] or scale.shape != (raw.shape[0], n // sub) or offset.shape != scale.shape:
+        raise ValueError("unpack_rows: codes, scale and offset must have n_rows rows and n, n // sub columns")
     for r in range(raw.shape[0]):
         row, c, sc, off = raw[r], codes[r], scale[r], offset[r]
         if ggml_type_id == _Q5_0 or ggml_type_id == _Q5_1:
@@ -438,7 +441,7 @@ def unpack_rows(ggml_type_id, raw, codes, scale, offset):
                 d = F16_TO_F32[_u16(row, o)]
                 sc[b] = d
                 off[b] = d * np.float32(-16.0) if bb == 22 else F16_TO_F32[_u16(row, o + 2)]
-                for j in range(32):
+                for j in range(32):  # qh[4] and qs[16] end the block
                     c[32 * b + j] = _q5_code(row, o + bb - 20, j)
         elif ggml_type_id == _Q4_K or ggml_type_id == _Q5_K:
             bb = 144 if ggml_type_id == _Q4_K else 176

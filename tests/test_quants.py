@@ -272,6 +272,9 @@ def test_unpack_rows_reconstructs_gguf_values(qtype):
         assert np.all(err <= 2.0**-24 * (np.abs(term) + np.abs(term + off)) * 1.0001), f"max error {err.max()}"
     with pytest.raises(ValueError):
         unpack_rows(int(T.Q4_1), raw, codes, scale, offset)
+    wrong_sub = 16 if sub == 32 else 32
+    with pytest.raises(ValueError):  # scales for the other sub-block size
+        unpack_rows(int(qtype), raw, codes, np.empty((4, n // wrong_sub), np.float32), offset)
 
 
 # ---- the real model ---------------------------------------------------------------------------------
