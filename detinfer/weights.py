@@ -79,9 +79,9 @@ class QMatrix:
     In qs, byte j of block b of row g*ROWS + r sits at [g, b, j*ROWS + r] (see kernels.matmul_nibbles).
 
     Q5_0 is widened at load to int8 codes q - 16 with its scale d (exact: x = d * (q - 16)) and runs the Q8_0
-    kernel. Measured on the 2-core machine (bench/kernels.py, 2048x640, weights streamed from memory, others
-    busy): packed 5-bit codes in matmul_nibbles took 0.24 ms per call at T=1 and 8.1 ms at T=64 against 0.21
-    and 5.6 ms widened at 1 thread, and 0.23 against 0.17 ms at T=1 with 2 threads. Assembling a 5-bit code
+    kernel. Measured on the 2-core machine (2048x640 Q5_0, 40 matrices cycled so the weights stream from
+    memory, other processes busy): packed 5-bit codes in matmul_nibbles took 0.24 ms per call at T=1 and
+    8.1 ms at T=64 against 0.21 and 5.6 ms widened, at 1 thread, and 0.23 against 0.17 ms at T=1 with 2 threads. Assembling a 5-bit code
     costs more than the 29% more bytes widened codes stream (1.47 against 1.15 MB); decode here is not yet
     bandwidth-bound. Q5_1 and Q5_K stay packed: they need the offset term the Q8_0 kernel does not have, and
     no target model uses them for large matrices.
