@@ -95,7 +95,7 @@ def gguf_variants(folder: Path) -> dict[str, Path]:
     w("valid-q4_1", matrix_type="Q4_1")
     w("valid-q8_0-untied", matrix_type="Q8_0", tied=False)
     w("valid-mixed", matrix_type="Q4_0", types={"token_embd.weight": "F16", "blk.0.ffn_down.weight": "Q8_0"})
-    w("unsupported-type", matrix_type="Q4_1", types={"blk.0.attn_q.weight": "Q5_0"})
+    w("unsupported-type", matrix_type="Q4_1", types={"blk.0.attn_q.weight": "IQ4_NL"})
     w("head-count-as-string", extra_metadata={"llama.attention.head_count": ("4", V.STRING)})
     w("embd-as-float", extra_metadata={"llama.embedding_length": (64.5, V.FLOAT32)})
     w("block-count-array", extra_metadata={"llama.block_count": ([1, 2], V.ARRAY)})
