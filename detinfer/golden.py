@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from .chat import ChatTemplate
 from .engine import Engine
 from .errors import DetinferError
 from .manifest import RunManifest, canonical_json, load_manifest, write_manifest
@@ -42,6 +43,11 @@ class Case:
     ignore_eos: bool = False
     kv_type: str = "f32"
     n_ctx: int = 2048
+    model: str | None = None  # registry name; None: the default model
+    chat_template: str | None = None  # --chat-template NAME for a model without its own
+
+
+GEMMA3 = "gemma3-270m-q4_k_m"
 
 
 CASES = (
@@ -54,6 +60,11 @@ CASES = (
     Case("long_prompt", LONG_TEXT, max_tokens=16),
     Case("unicode_emoji", "Traduis en français : I love 🍕 and ☕ — 日本語も少し。 Emoji: 🎉👍", max_tokens=24),
     Case("f16_kv", "The capital of France is", kv_type="f16"),
+    Case("gemma3_plain_greedy", "The capital of France is", model=GEMMA3),
+    Case("gemma3_chat_greedy", "Give me three tips for staying healthy.", chat=True, chat_template="gemma", max_tokens=48, model=GEMMA3),
+    Case("gemma3_seeded_sampling", "Write a short poem about the sea.", sampling={"temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": 1234}, max_tokens=40, model=GEMMA3),
+    Case("gemma3_long_prompt", LONG_TEXT, max_tokens=16, model=GEMMA3),  # longer than the 512-token sliding window
+    Case("gemma3_unicode_emoji", "Traduis en français : I love 🍕 and ☕ — 日本語も少し。 Emoji: 🎉👍", max_tokens=24, model=GEMMA3),
 )
 
 
@@ -71,14 +82,17 @@ class GoldenRecord(BaseModel):
 
 
 def run_case(engines: dict, case: Case, model: str | None = None) -> RunManifest:
-    """Run one case (engines are cached by (n_ctx, kv_type) in ``engines``) and return its manifest."""
-    key = (case.n_ctx, case.kv_type)
+    """Run one case and return its manifest: on ``case.model`` if set, else on ``model`` (None: the default
+    model). Engines are cached by (model, n_ctx, kv_type) in ``engines``."""
+    source = case.model or model
+    key = (source, case.n_ctx, case.kv_type)
     if key not in engines:
-        engines[key] = Engine.load(model, n_ctx=case.n_ctx, kv_type=case.kv_type)
+        engines[key] = Engine.load(source, n_ctx=case.n_ctx, kv_type=case.kv_type)
     engine = engines[key]
-    prompt = build_prompt(engine, text=case.text, chat=case.chat)
+    template = ChatTemplate.from_option(case.chat_template) if case.chat_template else None
+    prompt = build_prompt(engine, text=case.text, chat=case.chat, template=template)
     sampling = sampling_record(SamplingParams.create(**case.sampling), max_tokens=case.max_tokens, stop=case.stop, ignore_eos=case.ignore_eos)
-    return execute(engine, prompt, sampling)
+    return execute(engine, prompt, sampling, template=template)
 
 
 def golden_record(case: Case, m: RunManifest) -> GoldenRecord:

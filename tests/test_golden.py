@@ -6,12 +6,13 @@ self-comparisons in test_determinism.py, these catch a change that moves every c
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 from syrupy.extensions.single_file import SingleFileSnapshotExtension, WriteMode
 
-from detinfer.golden import CASES, golden_json, golden_record, run_case
+from detinfer.golden import CASES, GEMMA3, golden_json, golden_record, run_case
 
 GOLDEN_DIR = Path(__file__).resolve().parent.parent / "golden"
 
@@ -42,6 +43,7 @@ def golden(snapshot):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_golden_token_stream(case, engines, model_path, golden):
-    manifest = run_case(engines, case, str(model_path))
+def test_golden_token_stream(case, engines, model_path, golden, request):
+    path = request.getfixturevalue("gemma_path") if case.model == GEMMA3 else model_path
+    manifest = run_case(engines, dataclasses.replace(case, model=str(path)))
     assert golden_json(golden_record(case, manifest)) == golden(name=case.name)
