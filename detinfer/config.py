@@ -66,6 +66,10 @@ class ModelConfig:
                 f"{mf.path.name}: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
             )
         spec = ARCHITECTURES[arch]
+        # Logit soft-capping (Gemma 2; llama.cpp applies it when these keys are present): refused, never ignored.
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if f"{arch}.{name}" in mf.metadata:
+                raise ConfigError(f"{mf.path.name}: metadata key '{arch}.{name}' (logit soft-capping) is not supported")
 
         def key(name: str, default=None, kind: type = int):
             """The value of ``{arch}.{name}`` as ``kind``: an int must be stored as an integer, a float as a finite

@@ -196,3 +196,11 @@ def test_projections_fuse_only_tensors_of_one_type(tmp_path):
     assert [m.n_out for m in w.layers[0].attn_qkv.mats] == [128 + 32, 32]
     assert [m.n_out for m in w.layers[1].attn_qkv.mats] == [128 + 32 + 32]
     assert w.layers[0].attn_qkv.n_out == w.layers[1].attn_qkv.n_out
+
+
+def test_logit_softcapping_is_refused_not_ignored(tmp_path):
+    path = write_tiny_gguf(
+        tmp_path / "g.gguf", architecture="gemma3", extra_metadata={"gemma3.final_logit_softcapping": (30.0, GGUFValueType.FLOAT32)}
+    )
+    with pytest.raises(ConfigError, match=r"gemma3\.final_logit_softcapping"):
+        ModelConfig.from_model(ModelFile(path))
