@@ -96,15 +96,116 @@ def _hi4(typingctx, q):
     return types.float32(types.uint8), codegen
 
 
-@njit(cache=True, inline="always")
+@intrinsic
+def _code5(typingctx, q, shift, h, bit):
+    """float32(((q >> shift) & 15) | (((h >> bit) & 1) << 4)) for uint8 q, uint32 h, in 32-bit integers."""
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        nib = builder.and_(builder.lshr(builder.zext(args[0], i32), builder.trunc(args[1], i32)), i32(15))
+        hi = builder.and_(builder.lshr(args[2], builder.trunc(args[3], i32)), i32(1))
+        return builder.sitofp(builder.or_(nib, builder.shl(hi, i32(4))), ir.FloatType())
+
+    return types.float32(types.uint8, types.intp, types.uint32, types.intp), codegen
+
+
+@intrinsic
+def _code6(typingctx, q, shift, h, bit):
+    """float32((((q >> shift) & 15) | (((h >> bit) & 3) << 4)) - 32) for uint8 q and h, in 32-bit integers."""
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        nib = builder.and_(builder.lshr(builder.zext(args[0], i32), builder.trunc(args[1], i32)), i32(15))
+        hi = builder.and_(builder.lshr(builder.zext(args[2], i32), builder.trunc(args[3], i32)), i32(3))
+        return builder.sitofp(builder.sub(builder.or_(nib, builder.shl(hi, i32(4))), i32(32)), ir.FloatType())
+
+    return types.float32(types.uint8, types.intp, types.uint8, types.intp), codegen
+
+
 def _prefetch_rows(a, b):
     """Prefetch row ``b`` (if it exists) of a 2-D array, one hint per 64-byte line; ``a`` is one row group's
-    quants ([nb, k*ROWS] bytes) or scales (float32 [nb, ROWS]), so row ``b`` is block ``b`` of the group."""
-    if b < a.shape[0]:
-        row = a[b]
-        step = 64 // row.itemsize
-        for c in range(0, row.shape[0], step):
-            _prefetch(row, c)
+    quants ([nb, k*ROWS] bytes) or scales (float32 [nb, ROWS]), so row ``b`` is block ``b`` of the group.
+    A no-op when ``a`` is None (a format without that array)."""
+
+
+@overload(_prefetch_rows, inline="always")
+def _prefetch_rows_impl(a, b):
+    if isinstance(a, types.NoneType):
+        return lambda a, b: None
+
+    def impl(a, b):
+        if b < a.shape[0]:
+            row = a[b]
+            step = 64 // row.itemsize
+            for c in range(0, row.shape[0], step):
+                _prefetch(row, c)
+
+    return impl
+
+
+def _sub(a, i):
+    """``a[i]``, or None when ``a`` is None: the optional arrays of :func:`matmul_nibbles` (chosen at compile time)."""
+
+
+@overload(_sub, inline="always")
+def _sub_impl(a, i):
+    if isinstance(a, types.NoneType):
+        return lambda a, i: None
+    return lambda a, i: a[i]
+
+
+def _codes(qb, hb, mb, r, j):
+    """float32 codes of elements j, 8+j, 16+j, 24+j of row r in one block of :func:`matmul_nibbles`
+    (qb: the block's bytes, hb: its high bits or None, mb: its offsets or None). The format follows from the
+    types: hb and mb for 5-bit codes, mb alone for 4-bit codes, neither for Q6_K."""
+
+
+@overload(_codes, inline="always")
+def _codes_impl(qb, hb, mb, r, j):
+    if not isinstance(hb, types.NoneType):  # 5-bit codes: bit e of hb[r] is bit 4 of element e
+
+        def impl5(qb, hb, mb, r, j):
+            q0 = qb[j * ROWS + r]
+            q1 = qb[(8 + j) * ROWS + r]
+            h = hb[r]
+            return _code5(q0, 0, h, j), _code5(q1, 0, h, 8 + j), _code5(q0, 4, h, 16 + j), _code5(q1, 4, h, 24 + j)
+
+        return impl5
+    if isinstance(mb, types.NoneType):  # Q6_K: byte 16 + j holds bits 4-5 of elements j, 8+j, 16+j, 24+j
+
+        def impl6(qb, hb, mb, r, j):
+            q0 = qb[j * ROWS + r]
+            q1 = qb[(8 + j) * ROWS + r]
+            h = qb[(16 + j) * ROWS + r]
+            return _code6(q0, 0, h, 0), _code6(q1, 0, h, 2), _code6(q0, 4, h, 4), _code6(q1, 4, h, 6)
+
+        return impl6
+
+    def impl4(qb, hb, mb, r, j):  # 4-bit codes
+        q0 = qb[j * ROWS + r]  # elements j (low nibble) and j + 16 (high nibble)
+        q1 = qb[(8 + j) * ROWS + r]  # elements 8 + j and 24 + j
+        return _lo4(q0), _lo4(q1), _hi4(q0), _hi4(q1)
+
+    return impl4
+
+
+def _block_step(acc, db, mb, r, c0, c1, c2, c3, xs):
+    """acc plus one block of row r from its four partial sums, in the order of :func:`matmul_nibbles`."""
+
+
+@overload(_block_step, inline="always")
+def _block_step_impl(acc, db, mb, r, c0, c1, c2, c3, xs):
+    if isinstance(mb, types.NoneType):  # Q6_K: a scale per 16 elements, signed codes, no offset
+
+        def impl_k6(acc, db, mb, r, c0, c1, c2, c3, xs):
+            return fma32(db[ROWS + r], c2 + c3, fma32(db[r], c0 + c1, acc))
+
+        return impl_k6
+
+    def impl(acc, db, mb, r, c0, c1, c2, c3, xs):
+        return acc + fma32(db[r], (c0 + c1) + (c2 + c3), mb[r] * xs)
+
+    return impl
 
 
 @njit(cache=True)
@@ -124,16 +225,26 @@ def block_sums(x, xsum):
 
 
 @njit(cache=True, parallel=True)
-def matmul_q4(qs, d, m, x, xsum, out):
-    """out[t, r] = sum over blocks b of (d[r,b] * s[r,b,t] + m[r,b] * xsum[t,b]) for Q4_0 / Q4_1 weights.
+def matmul_nibbles(qs, qh, d, m, x, xsum, out):
+    """out[T, n_out] = x @ W.T for weights stored as nibbles (plus high bits): Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
+    Q5_K, Q6_K, in 32-element blocks.
 
-    qs: uint8 [G, nb, 16*ROWS]: byte qs[g, b, j*ROWS + r] is byte j of block b of row g*ROWS + r; its low nibble
-    is element j, its high nibble element j+16 (GGUF Q4_1 layout, ggml-quants.c ``block_q4_1``; Q4_0 is loaded
-    with m = -8 d). d, m: float32 [G, nb, ROWS] block scale and minimum; x: float32 [T, nb*32]; xsum: float32
-    [T, nb] from :func:`block_sums`; out: float32 [T, n_out] with n_out <= G*ROWS (padding rows are not written).
+    qs: uint8 [G, nb, k*ROWS]: byte qs[g, b, j*ROWS + r] is byte j of block b of row g*ROWS + r; for j < 16 its
+    low nibble is the low 4 bits of element j, its high nibble those of element j+16 (the GGUF Q4_0/Q4_1/Q5_0/
+    Q5_1 layout, ggml-quants.c ``block_q4_1``; k-quants are re-laid into it at load). The high bits:
+      - 4-bit codes (Q4_0, Q4_1, Q4_K): k = 16, qh None, code = nibble;
+      - 5-bit codes (Q5_0, Q5_1, Q5_K): k = 16, qh uint32 [G, nb, ROWS], bit e of qh[g, b, r] is bit 4 of
+        element e (the GGUF Q5_0 ``qh`` word);
+      - 6-bit codes (Q6_K): k = 24, qh None, m None; byte 16 + j holds bits 4-5 of elements j, 8+j, 16+j, 24+j
+        at bits 0-1, 2-3, 4-5, 6-7, and the code is q - 32 (signed). In qs rather than a separate array: a
+        fourth array in the chunk loop stopped LLVM from vectorizing it (4-6x slower, measured).
+    d: float32 [G, nb, ROWS] block scale (Q6_K: [G, nb, 2*ROWS], the scales of elements 0-15, then 16-31);
+    m: float32 [G, nb, ROWS] block offset, or None for Q6_K; x: float32 [T, nb*32]; xsum: float32 [T, nb] from
+    :func:`block_sums`; out: float32 [T, n_out] with n_out <= G*ROWS (padding rows are not written).
     Order per output (float32, fma = one rounding, :func:`fma32`): per block, four partial sums over the
-    elements e = 8k .. 8k+7 in increasing e, c_k = fma(q_e, x_e, c_k) from c_k = +0; s = (c0 + c1) + (c2 + c3);
-    then blocks left to right from acc = +0: acc = acc + fma(d, s, m * xsum). Parallel over row groups only.
+    elements e = 8k .. 8k+7 in increasing e, c_k = fma(q_e, x_e, c_k) from c_k = +0; then blocks left to right
+    from acc = +0: acc = acc + fma(d, (c0 + c1) + (c2 + c3), m * xsum) when m is given, and for Q6_K
+    acc = fma(d_hi, c2 + c3, fma(d_lo, c0 + c1, acc)). Parallel over row groups only.
     Chunks (T > 1) go two tokens at a time, sharing each code's conversion to float; every token still runs
     exactly the sequence above, so a chunk gives the bytes of one-token calls.
     """
@@ -142,16 +253,17 @@ def matmul_q4(qs, d, m, x, xsum, out):
     for g in prange(G):
         row0 = g * ROWS
         n = min(ROWS, n_out - row0)
-        qg, dg, mg = qs[g], d[g], m[g]
+        qg, hg, dg, mg = qs[g], _sub(qh, g), d[g], _sub(m, g)
         if T == 1:  # decode: accumulate straight into out
             o = out[0, row0 : row0 + n]
             for r in range(n):
                 o[r] = np.float32(0.0)
             for b in range(nb):
                 _prefetch_rows(qg, b + PREFETCH_BLOCKS)
+                _prefetch_rows(hg, b + PREFETCH_BLOCKS)
                 _prefetch_rows(dg, b + PREFETCH_BLOCKS)
                 _prefetch_rows(mg, b + PREFETCH_BLOCKS)
-                qb, db, mb = qg[b], dg[b], mg[b]
+                qb, hb, db, mb = qg[b], _sub(hg, b), dg[b], _sub(mg, b)
                 xb = x[0, b * QK : b * QK + QK]
                 xs = xsum[0, b]
                 for r in range(n):  # vectorized across rows; the j loop is unrolled (constant trip count)
@@ -160,13 +272,12 @@ def matmul_q4(qs, d, m, x, xsum, out):
                     c2 = np.float32(0.0)
                     c3 = np.float32(0.0)
                     for j in range(8):
-                        q0 = qb[j * ROWS + r]  # elements j (low nibble) and j + 16 (high nibble)
-                        q1 = qb[(8 + j) * ROWS + r]  # elements 8 + j and 24 + j
-                        c0 = fma32(_lo4(q0), xb[j], c0)
-                        c1 = fma32(_lo4(q1), xb[8 + j], c1)
-                        c2 = fma32(_hi4(q0), xb[16 + j], c2)
-                        c3 = fma32(_hi4(q1), xb[24 + j], c3)
-                    o[r] = o[r] + fma32(db[r], (c0 + c1) + (c2 + c3), mb[r] * xs)
+                        f0, f1, f2, f3 = _codes(qb, hb, mb, r, j)  # elements j, 8 + j, 16 + j, 24 + j
+                        c0 = fma32(f0, xb[j], c0)
+                        c1 = fma32(f1, xb[8 + j], c1)
+                        c2 = fma32(f2, xb[16 + j], c2)
+                        c3 = fma32(f3, xb[24 + j], c3)
+                    o[r] = _block_step(o[r], db, mb, r, c0, c1, c2, c3, xs)
             continue
         # Chunk: accumulators acc[t*ROWS + r] and the pair's activations xt[u*32 + e] live in local buffers, so
         # the vectorized row loop touches few distinct arrays (LLVM gives up above a few runtime alias checks).
@@ -174,9 +285,10 @@ def matmul_q4(qs, d, m, x, xsum, out):
         xt = np.empty(2 * QK, np.float32)
         for b in range(nb):
             _prefetch_rows(qg, b + PREFETCH_BLOCKS)
+            _prefetch_rows(hg, b + PREFETCH_BLOCKS)
             _prefetch_rows(dg, b + PREFETCH_BLOCKS)
             _prefetch_rows(mg, b + PREFETCH_BLOCKS)
-            qb, db, mb = qg[b], dg[b], mg[b]
+            qb, hb, db, mb = qg[b], _sub(hg, b), dg[b], _sub(mg, b)
             t = 0
             while t + 2 <= T:
                 xa = x[t, b * QK : b * QK + QK]
@@ -197,12 +309,7 @@ def matmul_q4(qs, d, m, x, xsum, out):
                     n2 = np.float32(0.0)
                     n3 = np.float32(0.0)
                     for j in range(8):
-                        q0 = qb[j * ROWS + r]
-                        q1 = qb[(8 + j) * ROWS + r]
-                        f0 = _lo4(q0)
-                        f1 = _lo4(q1)
-                        f2 = _hi4(q0)
-                        f3 = _hi4(q1)
+                        f0, f1, f2, f3 = _codes(qb, hb, mb, r, j)
                         a0 = fma32(f0, xt[j], a0)
                         a1 = fma32(f1, xt[8 + j], a1)
                         a2 = fma32(f2, xt[16 + j], a2)
@@ -211,10 +318,8 @@ def matmul_q4(qs, d, m, x, xsum, out):
                         n1 = fma32(f1, xt[QK + 8 + j], n1)
                         n2 = fma32(f2, xt[QK + 16 + j], n2)
                         n3 = fma32(f3, xt[QK + 24 + j], n3)
-                    dr = db[r]
-                    mr = mb[r]
-                    at[r] = at[r] + fma32(dr, (a0 + a1) + (a2 + a3), mr * sa)
-                    at[ROWS + r] = at[ROWS + r] + fma32(dr, (n0 + n1) + (n2 + n3), mr * sn)
+                    at[r] = _block_step(at[r], db, mb, r, a0, a1, a2, a3, sa)
+                    at[ROWS + r] = _block_step(at[ROWS + r], db, mb, r, n0, n1, n2, n3, sn)
                 t += 2
             if t < T:  # odd chunk: the last token alone
                 xa = x[t, b * QK : b * QK + QK]
@@ -226,13 +331,12 @@ def matmul_q4(qs, d, m, x, xsum, out):
                     a2 = np.float32(0.0)
                     a3 = np.float32(0.0)
                     for j in range(8):
-                        q0 = qb[j * ROWS + r]
-                        q1 = qb[(8 + j) * ROWS + r]
-                        a0 = fma32(_lo4(q0), xa[j], a0)
-                        a1 = fma32(_lo4(q1), xa[8 + j], a1)
-                        a2 = fma32(_hi4(q0), xa[16 + j], a2)
-                        a3 = fma32(_hi4(q1), xa[24 + j], a3)
-                    at[r] = at[r] + fma32(db[r], (a0 + a1) + (a2 + a3), mb[r] * sa)
+                        f0, f1, f2, f3 = _codes(qb, hb, mb, r, j)
+                        a0 = fma32(f0, xa[j], a0)
+                        a1 = fma32(f1, xa[8 + j], a1)
+                        a2 = fma32(f2, xa[16 + j], a2)
+                        a3 = fma32(f3, xa[24 + j], a3)
+                    at[r] = _block_step(at[r], db, mb, r, a0, a1, a2, a3, sa)
         for t in range(T):
             o = out[t, row0 : row0 + n]
             at = acc[t * ROWS : t * ROWS + ROWS]

@@ -1,4 +1,5 @@
-"""Block formats of the GGML tensor types the engine supports: F32, F16, BF16, Q8_0, Q4_0, Q4_1.
+"""Block formats of the GGML tensor types the engine supports: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+and the k-quants Q4_K, Q5_K, Q6_K (256-element super-blocks).
 
 Each format is one pure numba function that turns one row's bytes into float32, following the block
 layouts of ggml's ``ggml-common.h`` / ``ggml-quants.c`` (``dequantize_row_q4_0`` etc.) as restated in the
@@ -12,6 +13,10 @@ bit-identical to numpy's float32 -> float16 cast for every input, NaNs included.
 
 Compiled without fastmath: ``d * q + m`` stays a rounded multiply then a rounded add (never an FMA), as
 in gguf-py. (ggml's C code may be contracted into FMA by its compiler; gguf-py is the reference here.)
+
+The 5-bit and k-quant formats are also exposed as (codes, scale, offset) by :func:`unpack_rows`, which the
+weight loader repacks for the matmul kernels; dequantization and unpacking read codes and scales through the
+same per-element helpers.
 """
 
 from __future__ import annotations
@@ -26,6 +31,12 @@ _BF16 = int(GGMLQuantizationType.BF16)
 _Q8_0 = int(GGMLQuantizationType.Q8_0)
 _Q4_0 = int(GGMLQuantizationType.Q4_0)
 _Q4_1 = int(GGMLQuantizationType.Q4_1)
+_Q5_0 = int(GGMLQuantizationType.Q5_0)
+_Q5_1 = int(GGMLQuantizationType.Q5_1)
+_Q4_K = int(GGMLQuantizationType.Q4_K)
+_Q5_K = int(GGMLQuantizationType.Q5_K)
+_Q6_K = int(GGMLQuantizationType.Q6_K)
+QK_K = 256  # elements per k-quant super-block (ggml-common.h QK_K)
 
 
 def _f16_table() -> np.ndarray:
@@ -213,6 +224,160 @@ def dequant_row_q4_1(raw, out):
 
 
 @njit(cache=True)
+def _q5_code(raw, o, j):
+    """5-bit code (0..31) of element j of the Q5_0/Q5_1 block whose qh starts at byte o: the low nibble of
+    qs[j] (j < 16) or the high nibble of qs[j - 16], plus bit j of the little-endian uint32 qh as bit 4."""
+    nib = (np.int64(raw[o + 4 + (j & 15)]) >> (4 * (j >> 4))) & 15
+    return nib | (((np.int64(raw[o + (j >> 3)]) >> (j & 7)) & 1) << 4)
+
+
+@njit(cache=True)
+def dequant_row_q5_0(raw, out):
+    """Q5_0: 32-element blocks of 22 bytes: d (f16), qh (uint32 LE, bit j = bit 4 of q_j), qs[16] as in Q4_0.
+
+    out[32b + j] = (q_j - 16) * d in float32, q_j = (low or high nibble, as Q4_0) | (bit j of qh) << 4.
+    raw uint8 (22 * n/32,), out float32 (n,), n a multiple of 32.
+    Source: block_q5_0 / dequantize_row_q5_0 in ggml-common.h / ggml-quants.c.
+    """
+    n = out.shape[0]
+    if n % 32 != 0 or raw.shape[0] != (n // 32) * 22:
+        raise ValueError("dequant_row_q5_0: out length must be 32*k and raw length 22*k")
+    for b in range(n // 32):
+        o = 22 * b
+        d = F16_TO_F32[_u16(raw, o)]
+        for j in range(32):
+            out[32 * b + j] = np.float32(_q5_code(raw, o + 2, j) - 16) * d
+
+
+@njit(cache=True)
+def dequant_row_q5_1(raw, out):
+    """Q5_1: 32-element blocks of 24 bytes: d (f16), m (f16), qh (uint32 LE), qs[16]; codes as in Q5_0.
+
+    out[32b + j] = (d * q_j) + m in float32 (rounded product, then rounded sum; no FMA).
+    raw uint8 (24 * n/32,), out float32 (n,), n a multiple of 32.
+    Source: block_q5_1 / dequantize_row_q5_1 in ggml-common.h / ggml-quants.c.
+    """
+    n = out.shape[0]
+    if n % 32 != 0 or raw.shape[0] != (n // 32) * 24:
+        raise ValueError("dequant_row_q5_1: out length must be 32*k and raw length 24*k")
+    for b in range(n // 32):
+        o = 24 * b
+        d = F16_TO_F32[_u16(raw, o)]
+        m = F16_TO_F32[_u16(raw, o + 2)]
+        for j in range(32):
+            out[32 * b + j] = d * np.float32(_q5_code(raw, o + 4, j)) + m
+
+
+@njit(cache=True)
+def _k_scale_min(raw, o, i):
+    """(D, DM) float32 of sub-block i (0..7) of the Q4_K/Q5_K super-block at byte o: D = d * sc_i and
+    DM = dmin * m_i, with d, dmin the f16 at o, o+2 and the 6-bit sc_i, m_i packed in the 12 bytes at o+4
+    (ggml-quants.c ``get_scale_min_k4``). Both products are exact: 11-bit times 6-bit significands."""
+    s = o + 4
+    if i < 4:
+        sc = raw[s + i] & 63
+        m = raw[s + i + 4] & 63
+    else:
+        sc = (raw[s + i + 4] & 15) | ((raw[s + i - 4] >> 6) << 4)
+        m = (raw[s + i + 4] >> 4) | ((raw[s + i] >> 6) << 4)
+    return F16_TO_F32[_u16(raw, o)] * np.float32(sc), F16_TO_F32[_u16(raw, o + 2)] * np.float32(m)
+
+
+@njit(cache=True)
+def _q4_k_code(raw, o, e):
+    """4-bit code of element e (0..255) of the Q4_K super-block at byte o: 64-element chunk c = e // 64 uses
+    qs bytes 32c .. 32c+31 (qs at o+16), low nibbles for its first 32 elements, high nibbles for the rest."""
+    return (np.int64(raw[o + 16 + 32 * (e >> 6) + (e & 31)]) >> (4 * ((e >> 5) & 1))) & 15
+
+
+@njit(cache=True)
+def _q5_k_code(raw, o, e):
+    """5-bit code of element e (0..255) of the Q5_K super-block at byte o: nibble as Q4_K with qs at o+48,
+    bit 4 = bit (e // 32) of qh[e % 32] (qh at o+16)."""
+    nib = (np.int64(raw[o + 48 + 32 * (e >> 6) + (e & 31)]) >> (4 * ((e >> 5) & 1))) & 15
+    return nib | (((np.int64(raw[o + 16 + (e & 31)]) >> (e >> 5)) & 1) << 4)
+
+
+@njit(cache=True)
+def _q6_k_code(raw, o, e):
+    """6-bit code (0..63) of element e (0..255) of the Q6_K super-block at byte o. Half h = e // 128 uses
+    ql[64h .. 64h+63] (ql at o) and qh[32h .. 32h+31] (qh at o+128); with k = (e % 128) // 32 and l = e % 32,
+    the low 4 bits are nibble k // 2 of ql[64h + 32 (k % 2) + l], the high 2 bits are bits 2k, 2k+1 of qh[32h + l]."""
+    h = e >> 7
+    k = (e >> 5) & 3
+    l = e & 31
+    nib = (np.int64(raw[o + 64 * h + 32 * (k & 1) + l]) >> (4 * (k >> 1))) & 15
+    return nib | (((np.int64(raw[o + 128 + 32 * h + l]) >> (2 * k)) & 3) << 4)
+
+
+@njit(cache=True)
+def _q6_k_scale(raw, o, i):
+    """D = d * sc_i (float32, exact: 11-bit times 8-bit) for 16-element sub-block i of the Q6_K super-block
+    at byte o: sc_i the int8 at o+192+i, d the f16 at o+208."""
+    sc = np.int64(raw[o + 192 + i])
+    if sc >= 128:
+        sc -= 256
+    return F16_TO_F32[_u16(raw, o + 208)] * np.float32(sc)
+
+
+@njit(cache=True)
+def dequant_row_q4_k(raw, out):
+    """Q4_K: super-blocks of 256 elements in 144 bytes: d, dmin (f16), scales[12] (eight 6-bit sc, m), qs[128].
+
+    out[256s + 32i + l] = (D_i * q) - DM_i in float32, D_i = d * sc_i, DM_i = dmin * m_i (both exact), q the
+    4-bit code (:func:`_q4_k_code`). raw uint8 (144 * n/256,), out float32 (n,), n a multiple of 256.
+    Source: block_q4_K / dequantize_row_q4_K in ggml-common.h / ggml-quants.c.
+    """
+    n = out.shape[0]
+    if n % QK_K != 0 or raw.shape[0] != (n // QK_K) * 144:
+        raise ValueError("dequant_row_q4_k: out length must be 256*k and raw length 144*k")
+    for s in range(n // QK_K):
+        o = 144 * s
+        for i in range(8):
+            D, DM = _k_scale_min(raw, o, i)
+            for l in range(32):
+                out[QK_K * s + 32 * i + l] = D * np.float32(_q4_k_code(raw, o, 32 * i + l)) - DM
+
+
+@njit(cache=True)
+def dequant_row_q5_k(raw, out):
+    """Q5_K: super-blocks of 256 elements in 176 bytes: d, dmin (f16), scales[12], qh[32], qs[128].
+
+    out[256s + 32i + l] = (D_i * q) - DM_i in float32 as in Q4_K, q the 5-bit code (:func:`_q5_k_code`).
+    raw uint8 (176 * n/256,), out float32 (n,), n a multiple of 256.
+    Source: block_q5_K / dequantize_row_q5_K in ggml-common.h / ggml-quants.c.
+    """
+    n = out.shape[0]
+    if n % QK_K != 0 or raw.shape[0] != (n // QK_K) * 176:
+        raise ValueError("dequant_row_q5_k: out length must be 256*k and raw length 176*k")
+    for s in range(n // QK_K):
+        o = 176 * s
+        for i in range(8):
+            D, DM = _k_scale_min(raw, o, i)
+            for l in range(32):
+                out[QK_K * s + 32 * i + l] = D * np.float32(_q5_k_code(raw, o, 32 * i + l)) - DM
+
+
+@njit(cache=True)
+def dequant_row_q6_k(raw, out):
+    """Q6_K: super-blocks of 256 elements in 210 bytes: ql[128], qh[64], scales[16] (int8), d (f16).
+
+    out[256s + 16i + l] = D_i * (q - 32) in float32, D_i = d * sc_i (exact), q the 6-bit code
+    (:func:`_q6_k_code`). raw uint8 (210 * n/256,), out float32 (n,), n a multiple of 256.
+    Source: block_q6_K / dequantize_row_q6_K in ggml-common.h / ggml-quants.c.
+    """
+    n = out.shape[0]
+    if n % QK_K != 0 or raw.shape[0] != (n // QK_K) * 210:
+        raise ValueError("dequant_row_q6_k: out length must be 256*k and raw length 210*k")
+    for s in range(n // QK_K):
+        o = 210 * s
+        for i in range(16):
+            D = _q6_k_scale(raw, o, i)
+            for l in range(16):
+                out[QK_K * s + 16 * i + l] = D * np.float32(_q6_k_code(raw, o, 16 * i + l) - 32)
+
+
+@njit(cache=True)
 def dequantize_row(ggml_type_id, raw, out):
     """Dequantize one row: raw uint8 (row_bytes,) of GGML type ``ggml_type_id`` -> out float32 (n_cols,).
 
@@ -230,6 +395,16 @@ def dequantize_row(ggml_type_id, raw, out):
         dequant_row_f16(raw, out)
     elif ggml_type_id == _BF16:
         dequant_row_bf16(raw, out)
+    elif ggml_type_id == _Q5_0:
+        dequant_row_q5_0(raw, out)
+    elif ggml_type_id == _Q5_1:
+        dequant_row_q5_1(raw, out)
+    elif ggml_type_id == _Q4_K:
+        dequant_row_q4_k(raw, out)
+    elif ggml_type_id == _Q5_K:
+        dequant_row_q5_k(raw, out)
+    elif ggml_type_id == _Q6_K:
+        dequant_row_q6_k(raw, out)
     else:
         raise ValueError("dequantize_row: unsupported GGML type id")
 
@@ -241,6 +416,57 @@ def _dequantize_rows(ggml_type_id, raw, out):
         dequantize_row(ggml_type_id, raw[r], out[r])
 
 
+@njit(cache=True)
+def unpack_rows(ggml_type_id, raw, codes, scale, offset):
+    """Unsigned codes and sub-block scales of Q5_0, Q5_1, Q4_K, Q5_K or Q6_K rows, for the weight loader.
+
+    raw uint8 (n_rows, row_bytes); codes uint8 (n_rows, n) in element order; scale, offset float32
+    (n_rows, n // sub), sub = 16 for Q6_K and 32 otherwise, such that element e of row r is exactly (in real
+    numbers) scale[r, e // sub] * codes[r, e] + offset[r, e // sub]. Every scale and offset is exact in
+    float32: Q5_0 (d, -16 d); Q5_1 (d, m); Q4_K, Q5_K (d * sc, -(dmin * m)); Q6_K (d * sc, -32 d * sc).
+    Raises ValueError for another type or mismatched lengths.
+    """
+    n = codes.shape[1]
+    for r in range(raw.shape[0]):
+        row, c, sc, off = raw[r], codes[r], scale[r], offset[r]
+        if ggml_type_id == _Q5_0 or ggml_type_id == _Q5_1:
+            bb = 22 if ggml_type_id == _Q5_0 else 24
+            if n % 32 != 0 or row.shape[0] != (n // 32) * bb:
+                raise ValueError("unpack_rows: Q5 row length mismatch")
+            for b in range(n // 32):
+                o = bb * b
+                d = F16_TO_F32[_u16(row, o)]
+                sc[b] = d
+                off[b] = d * np.float32(-16.0) if bb == 22 else F16_TO_F32[_u16(row, o + 2)]
+                for j in range(32):
+                    c[32 * b + j] = _q5_code(row, o + bb - 20, j)
+        elif ggml_type_id == _Q4_K or ggml_type_id == _Q5_K:
+            bb = 144 if ggml_type_id == _Q4_K else 176
+            if n % QK_K != 0 or row.shape[0] != (n // QK_K) * bb:
+                raise ValueError("unpack_rows: Q4_K/Q5_K row length mismatch")
+            for s in range(n // QK_K):
+                o = bb * s
+                for i in range(8):
+                    D, DM = _k_scale_min(row, o, i)
+                    sc[8 * s + i] = D
+                    off[8 * s + i] = -DM
+                for e in range(QK_K):
+                    c[QK_K * s + e] = _q4_k_code(row, o, e) if bb == 144 else _q5_k_code(row, o, e)
+        elif ggml_type_id == _Q6_K:
+            if n % QK_K != 0 or row.shape[0] != (n // QK_K) * 210:
+                raise ValueError("unpack_rows: Q6_K row length mismatch")
+            for s in range(n // QK_K):
+                o = 210 * s
+                for i in range(16):
+                    D = _q6_k_scale(row, o, i)
+                    sc[16 * s + i] = D
+                    off[16 * s + i] = D * np.float32(-32.0)
+                for e in range(QK_K):
+                    c[QK_K * s + e] = _q6_k_code(row, o, e)
+        else:
+            raise ValueError("unpack_rows: not a Q5_0, Q5_1, Q4_K, Q5_K or Q6_K type id")
+
+
 _SUPPORTED = (
     GGMLQuantizationType.F32,
     GGMLQuantizationType.F16,
@@ -248,6 +474,11 @@ _SUPPORTED = (
     GGMLQuantizationType.Q8_0,
     GGMLQuantizationType.Q4_0,
     GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q5_K,
+    GGMLQuantizationType.Q6_K,
 )
 
 

@@ -18,7 +18,7 @@ from .arch import ARCHITECTURES, tensor_shapes
 from .config import ModelConfig
 from .errors import GGUFError
 from .gguf_file import SUPPORTED_TYPES, ModelFile
-from .quants import F16_TO_F32, dequantize
+from .quants import F16_TO_F32, dequantize, unpack_rows
 
 Q = GGMLQuantizationType
 R = kernels.ROWS
@@ -50,13 +50,37 @@ def _f16(raw: np.ndarray) -> np.ndarray:
     return F16_TO_F32[np.ascontiguousarray(raw).view("<u2")[..., 0]]
 
 
+def _nibbles(codes: np.ndarray) -> np.ndarray:
+    """Codes uint8 [n, nb, 32] -> bytes [n, nb, 16] in the Q4_1 layout: byte j = (c_j & 15) | (c_{j+16} & 15) << 4."""
+    c = codes & np.uint8(15)
+    return c[..., :16] | (c[..., 16:] << np.uint8(4))
+
+
+def _high_bit_words(codes: np.ndarray) -> np.ndarray:
+    """5-bit codes uint8 [n, nb, 32] -> uint32 [n, nb]: bit e = bit 4 of code e (the GGUF Q5_0 ``qh`` word)."""
+    bits = ((codes >> np.uint8(4)) & np.uint8(1)).astype(np.uint32)
+    return (bits << np.arange(32, dtype=np.uint32)).sum(axis=-1, dtype=np.uint32)
+
+
+def _high_crumbs(codes: np.ndarray) -> np.ndarray:
+    """6-bit codes uint8 [n, nb, 32] -> bytes [n, nb, 8]: byte j holds bits 4-5 of code 8k + j at bits 2k, 2k+1."""
+    c = (codes >> np.uint8(4)).reshape(codes.shape[:-1] + (4, 8))  # [..., k, j]
+    return c[..., 0, :] | (c[..., 1, :] << np.uint8(2)) | (c[..., 2, :] << np.uint8(4)) | (c[..., 3, :] << np.uint8(6))
+
+
 @dataclass(frozen=True)
 class QMatrix:
     """A weight matrix of shape (n_out, n_in) ready for the matmul kernels.
 
-    kind "q4" (Q4_0/Q4_1): arrays (qs uint8 [G, nb, 16*ROWS], d float32 [G, nb, ROWS], m float32 [G, nb, ROWS]);
-    kind "q8_0": (qs int8 [G, nb, 32*ROWS], d); kind "dense" (F32/F16/BF16): (w float32 [G, n_in, ROWS]).
-    In qs, byte j of block b of row g*ROWS + r sits at [g, b, j*ROWS + r] (see kernels.matmul_q4).
+    kind "nibbles" (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K): arrays (qs, qh, d, m) of
+    kernels.matmul_nibbles, 32-element blocks with exact float32 scales (k-quant sub-block scales d * sc,
+    dmin * m are exact products of f16 and 6- or 8-bit integers); kind "q8_0": (qs int8 [G, nb, 32*ROWS], d);
+    kind "dense" (F32/F16/BF16): (w float32 [G, n_in, ROWS]).
+    In qs, byte j of block b of row g*ROWS + r sits at [g, b, j*ROWS + r] (see kernels.matmul_nibbles).
+
+    5- and 6-bit codes stay packed (nibbles plus high bits, 6 and 7-8 bits per weight with the scales) rather
+    than widened to bytes for the Q8_0 kernel: decode streams the weights once per token and is bound by
+    memory bandwidth (see bench/kernels.py and the measurement in the Q5_0 kernel benchmark).
     """
 
     name: str
@@ -70,9 +94,10 @@ class QMatrix:
     def from_raw(cls, name: str, ggml_type: GGMLQuantizationType, raw: np.ndarray, n_in: int) -> "QMatrix":
         """Repack raw GGUF rows (uint8 [n_out, row_bytes]) of ``ggml_type`` into the kernels' layout."""
         n_out = raw.shape[0]
-        if ggml_type in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+        nb = n_in // kernels.QK
+        if ggml_type in (Q.Q4_0, Q.Q4_1, Q.Q8_0):  # already 32-element blocks of the kernels' layout
             block_bytes = GGML_QUANT_SIZES[ggml_type][1]
-            blocks = raw.reshape(n_out, n_in // kernels.QK, block_bytes)
+            blocks = raw.reshape(n_out, nb, block_bytes)
             d = _f16(blocks[:, :, 0:2])
             if ggml_type == Q.Q8_0:
                 qs = blocks[:, :, 2:].view(np.int8)
@@ -81,18 +106,33 @@ class QMatrix:
                 m, qs = _f16(blocks[:, :, 2:4]), blocks[:, :, 4:]
             else:  # Q4_0: x = d * (q - 8) = d * q + (-8 d), and -8 d is exact in f32
                 m, qs = d * np.float32(-8.0), blocks[:, :, 2:]
-            return cls(name, ggml_type, n_out, n_in, "q4", (_k_major_blocks(qs), _k_major(d), _k_major(m)))
+            arrays = (_k_major_blocks(qs), None, _k_major(d), _k_major(m))
+            return cls(name, ggml_type, n_out, n_in, "nibbles", arrays)
+        if ggml_type in (Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K):
+            sub = 16 if ggml_type == Q.Q6_K else 32
+            codes = np.empty((n_out, n_in), np.uint8)
+            scale = np.empty((n_out, n_in // sub), np.float32)
+            offset = np.empty_like(scale)
+            unpack_rows(int(ggml_type), np.ascontiguousarray(raw), codes, scale, offset)
+            codes = codes.reshape(n_out, nb, kernels.QK)
+            if ggml_type == Q.Q6_K:  # high bits after the nibbles; two 16-element scales per block; no offset
+                qs = _k_major_blocks(np.concatenate([_nibbles(codes), _high_crumbs(codes)], axis=-1))
+                arrays = (qs, None, _k_major_blocks(scale.reshape(n_out, nb, 2)), None)
+            else:
+                qh = None if ggml_type == Q.Q4_K else _k_major(_high_bit_words(codes))
+                arrays = (_k_major_blocks(_nibbles(codes)), qh, _k_major(scale), _k_major(offset))
+            return cls(name, ggml_type, n_out, n_in, "nibbles", arrays)
         w = dequantize(raw, ggml_type)  # F32 / F16 / BF16: widening to f32 is exact
         return cls(name, ggml_type, n_out, n_in, "dense", (_k_major(w),))
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays)
+        return sum(a.nbytes for a in self.arrays if a is not None)
 
     def __call__(self, x: np.ndarray, xsum: np.ndarray, out: np.ndarray) -> None:
         """out[T, n_out] = x[T, n_in] @ W.T, with xsum = kernels.block_sums(x) precomputed by the caller."""
-        if self.kind == "q4":
-            kernels.matmul_q4(*self.arrays, x, xsum, out)
+        if self.kind == "nibbles":
+            kernels.matmul_nibbles(*self.arrays, x, xsum, out)
         elif self.kind == "q8_0":
             kernels.matmul_q8_0(*self.arrays, x, out)
         else:
