@@ -104,8 +104,8 @@ class ModelConfig:
         n_layer = key("block_count")
         rope_freq_base = key("rope.freq_base", 10000.0, float)
         # llama.cpp reads the window only for architectures with a sliding-window pattern; it is required there.
-        window = key("attention.sliding_window") if spec.swa_pattern else 0
         p = spec.swa_pattern
+        window = key("attention.sliding_window") if p else 0
         cfg = cls(
             arch=arch,
             n_vocab=key("vocab_size", embd.ne[1] if len(embd.ne) > 1 else 0),
