@@ -226,14 +226,14 @@ def block_sums(x, xsum):
 
 @njit(cache=True, parallel=True)
 def matmul_nibbles(qs, qh, d, m, x, xsum, out):
-    """out[T, n_out] = x @ W.T for weights stored as nibbles (plus high bits): Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
-    Q5_K, Q6_K, in 32-element blocks.
+    """out[T, n_out] = x @ W.T for weights stored as nibbles (plus high bits): Q4_0, Q4_1, Q4_K, Q5_1, Q5_K,
+    Q6_K, in 32-element blocks (Q5_0 is widened to the Q8_0 kernel, see weights.QMatrix).
 
     qs: uint8 [G, nb, k*ROWS]: byte qs[g, b, j*ROWS + r] is byte j of block b of row g*ROWS + r; for j < 16 its
     low nibble is the low 4 bits of element j, its high nibble those of element j+16 (the GGUF Q4_0/Q4_1/Q5_0/
     Q5_1 layout, ggml-quants.c ``block_q4_1``; k-quants are re-laid into it at load). The high bits:
       - 4-bit codes (Q4_0, Q4_1, Q4_K): k = 16, qh None, code = nibble;
-      - 5-bit codes (Q5_0, Q5_1, Q5_K): k = 16, qh uint32 [G, nb, ROWS], bit e of qh[g, b, r] is bit 4 of
+      - 5-bit codes (Q5_1, Q5_K): k = 16, qh uint32 [G, nb, ROWS], bit e of qh[g, b, r] is bit 4 of
         element e (the GGUF Q5_0 ``qh`` word);
       - 6-bit codes (Q6_K): k = 24, qh None, m None; byte 16 + j holds bits 4-5 of elements j, 8+j, 16+j, 24+j
         at bits 0-1, 2-3, 4-5, 6-7, and the code is q - 32 (signed). In qs rather than a separate array: a
@@ -346,7 +346,8 @@ def matmul_nibbles(qs, qh, d, m, x, xsum, out):
 
 @njit(cache=True, parallel=True)
 def matmul_q8_0(qs, d, x, out):
-    """out[t, r] = sum over blocks b of d[r,b] * s[r,b,t] for Q8_0 weights (ggml-quants.c ``block_q8_0``).
+    """out[t, r] = sum over blocks b of d[r,b] * s[r,b,t] for Q8_0 weights (ggml-quants.c ``block_q8_0``), and
+    Q5_0 weights widened to codes q - 16 (x = d * (q - 16), ggml-quants.c ``dequantize_row_q5_0``).
 
     qs: int8 [G, nb, 32*ROWS], qs[g, b, e*ROWS + r] = element e of block b of row g*ROWS + r; d: float32
     [G, nb, ROWS]; x: float32 [T, nb*32]; out: float32 [T, n_out].

@@ -72,15 +72,19 @@ def _high_crumbs(codes: np.ndarray) -> np.ndarray:
 class QMatrix:
     """A weight matrix of shape (n_out, n_in) ready for the matmul kernels.
 
-    kind "nibbles" (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K): arrays (qs, qh, d, m) of
-    kernels.matmul_nibbles, 32-element blocks with exact float32 scales (k-quant sub-block scales d * sc,
-    dmin * m are exact products of f16 and 6- or 8-bit integers); kind "q8_0": (qs int8 [G, nb, 32*ROWS], d);
-    kind "dense" (F32/F16/BF16): (w float32 [G, n_in, ROWS]).
+    kind "nibbles" (Q4_0, Q4_1, Q4_K, Q5_1, Q5_K, Q6_K): arrays (qs, qh, d, m) of kernels.matmul_nibbles,
+    32-element blocks with exact float32 scales (k-quant sub-block scales d * sc, dmin * m are exact products
+    of an f16 and a 6- or 8-bit integer); kind "q8_0" (Q8_0, Q5_0): (qs int8 [G, nb, 32*ROWS], d) of
+    kernels.matmul_q8_0; kind "dense" (F32/F16/BF16): (w float32 [G, n_in, ROWS]).
     In qs, byte j of block b of row g*ROWS + r sits at [g, b, j*ROWS + r] (see kernels.matmul_nibbles).
 
-    5- and 6-bit codes stay packed (nibbles plus high bits, 6 and 7-8 bits per weight with the scales) rather
-    than widened to bytes for the Q8_0 kernel: decode streams the weights once per token and is bound by
-    memory bandwidth (see bench/kernels.py and the measurement in the Q5_0 kernel benchmark).
+    Q5_0 is widened at load to int8 codes q - 16 with its scale d (exact: x = d * (q - 16)) and runs the Q8_0
+    kernel. Measured on the 2-core machine (bench/kernels.py, 2048x640, weights streamed from memory, others
+    busy): packed 5-bit codes in matmul_nibbles took 0.24 ms per call at T=1 and 8.1 ms at T=64 against 0.21
+    and 5.6 ms widened at 1 thread, and 0.23 against 0.17 ms at T=1 with 2 threads. Assembling a 5-bit code
+    costs more than the 29% more bytes widened codes stream (1.47 against 1.15 MB); decode here is not yet
+    bandwidth-bound. Q5_1 and Q5_K stay packed: they need the offset term the Q8_0 kernel does not have, and
+    no target model uses them for large matrices.
     """
 
     name: str
@@ -115,6 +119,9 @@ class QMatrix:
             offset = np.empty_like(scale)
             unpack_rows(int(ggml_type), np.ascontiguousarray(raw), codes, scale, offset)
             codes = codes.reshape(n_out, nb, kernels.QK)
+            if ggml_type == Q.Q5_0:  # widened: x = d * (q - 16), see the class docstring
+                qs = codes.astype(np.int8) - np.int8(16)
+                return cls(name, ggml_type, n_out, n_in, "q8_0", (_k_major_blocks(qs), _k_major(scale)))
             if ggml_type == Q.Q6_K:  # high bits after the nibbles; two 16-element scales per block; no offset
                 qs = _k_major_blocks(np.concatenate([_nibbles(codes), _high_crumbs(codes)], axis=-1))
                 arrays = (qs, None, _k_major_blocks(scale.reshape(n_out, nb, 2)), None)

@@ -120,9 +120,9 @@ def test_unsupported_architecture(home: Path, tmp_path: Path):
 @pytest.mark.parametrize(
     "type_name, config",
     [
-        ("Q5_K", TinyConfig(n_embd=256, n_head=4, n_head_kv=2, n_ff=256)),  # K-quants need rows of 256
+        ("Q3_K", TinyConfig(n_embd=256, n_head=4, n_head_kv=2, n_ff=256)),  # K-quants need rows of 256
         ("IQ2_XS", TinyConfig(n_embd=256, n_head=4, n_head_kv=2, n_ff=256)),
-        ("Q5_0", TinyConfig()),
+        ("IQ4_NL", TinyConfig()),
     ],
 )
 def test_unsupported_tensor_type(home: Path, tmp_path: Path, type_name: str, config: TinyConfig):

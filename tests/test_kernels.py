@@ -17,26 +17,27 @@ from fractions import Fraction
 import numba
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType as Q
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 
 from detinfer import kernels
 from detinfer.quants import F16_TO_F32
 from detinfer.weights import QMatrix
 
+from test_quants import BLOCK_DTYPES, K_QUANTS
+
 U = 2.0**-24  # unit roundoff of float32
 QK = kernels.QK
 R = kernels.ROWS
-MATRIX_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F32, Q.F16, Q.BF16]
-# (n_out, n_in): fewer rows than one group, a ragged last group, and the SmolLM2 ffn_down shape with a ragged tail.
+MATRIX_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.F32, Q.F16, Q.BF16]
+# (n_out, n_in): fewer rows than one group, a ragged last group, and the SmolLM2 ffn_down shape with a ragged tail;
+# k-quants need whole 256-element super-blocks, so their n_in is rounded up (at least two per row).
 MATRIX_SHAPES = [(7, 64), (3 * R + 5, 576), (R + 1, 1536)]
 
-# Block layouts of ggml-common.h (block_q8_0, block_q4_0, block_q4_1), packed as in the file.
-BLOCK_DTYPES = {
-    Q.Q8_0: np.dtype([("d", "<f2"), ("qs", "i1", (32,))]),
-    Q.Q4_0: np.dtype([("d", "<f2"), ("qs", "u1", (16,))]),
-    Q.Q4_1: np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", (16,))]),
-}
+
+def row_length(qtype: Q, n_in: int) -> int:
+    """n_in, rounded up to a multiple of 512 (two super-blocks) for k-quants."""
+    return -(-n_in // 512) * 512 if qtype in K_QUANTS else n_in
 
 
 @pytest.fixture
@@ -93,14 +94,24 @@ def activations(rng: np.random.Generator, T: int, n: int) -> np.ndarray:
 
 
 def random_matrix(qtype: Q, n_out: int, n_in: int, rng: np.random.Generator) -> np.ndarray:
-    """Raw GGUF rows (uint8 [n_out, row_bytes]) of ``qtype`` with realistic scales; signs of d both ways."""
+    """Raw GGUF rows (uint8 [n_out, row_bytes]) of ``qtype`` with realistic scales; signs of d both ways.
+
+    Quantized types: random bytes (codes, high bits, packed sub-block scales), then finite f16 scales.
+    """
     if qtype in BLOCK_DTYPES:
-        nb = n_out * n_in // QK
-        blocks = np.zeros(nb, BLOCK_DTYPES[qtype])
-        blocks["d"] = rng.uniform(1e-3, 0.02, nb) * rng.choice([-1.0, 1.0], nb)
-        if qtype == Q.Q4_1:
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        nb = n_out * n_in // block_size
+        blocks = rng.integers(0, 256, nb * type_size, dtype=np.uint8).view(BLOCK_DTYPES[qtype])
+        sign = rng.choice([-1.0, 1.0], nb)
+        if qtype in (Q.Q4_K, Q.Q5_K):  # sub-block scales d * sc, dmin * m with 6-bit sc, m
+            blocks["d"] = rng.uniform(1e-3, 0.02, nb) / 63 * sign
+            blocks["dmin"] = rng.uniform(1e-3, 0.1, nb) / 63
+        elif qtype == Q.Q6_K:  # d * sc with int8 sc
+            blocks["d"] = rng.uniform(1e-3, 0.02, nb) / 127 * sign
+        else:
+            blocks["d"] = rng.uniform(1e-3, 0.02, nb) * sign
+        if qtype in (Q.Q4_1, Q.Q5_1):
             blocks["m"] = rng.uniform(-0.15, 0.05, nb)
-        blocks["qs"] = rng.integers(0, 256, blocks["qs"].shape, dtype=np.uint8).view(blocks["qs"].dtype)
         return blocks.view(np.uint8).reshape(n_out, -1)
     w = (rng.standard_normal((n_out, n_in)) * 0.05).astype(np.float32)
     if qtype == Q.F32:
@@ -110,30 +121,70 @@ def random_matrix(qtype: Q, n_out: int, n_in: int, rng: np.random.Generator) -> 
     return (w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)  # BF16: the top half of each float32
 
 
-def block_fields(qtype: Q, raw: np.ndarray, n_in: int):
-    """(codes float64 [n_out, nb, 32] in element order, d, m float64 [n_out, nb]) of a quantized matrix.
+def _k_scale_min(scales: np.ndarray):
+    """Q4_K/Q5_K packed scales uint8 [..., 12] -> (sc, m) [..., 8] (ggml-quants.c get_scale_min_k4)."""
+    d, m, md = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = np.concatenate([d & 63, (md & 15) | ((d >> 6) << 4)], axis=-1)
+    mn = np.concatenate([m & 63, (md >> 4) | ((m >> 6) << 4)], axis=-1)
+    return sc, mn
 
-    Q4: byte j holds element j in its low nibble and element j+16 in its high one; Q4_0 is d * q + (-8 d).
+
+def block_fields(qtype: Q, raw: np.ndarray, n_in: int):
+    """Per 32-element block: (codes float64 [n_out, nb, 32] in element order, d float64 [n_out, nb, 2], m
+    float64 [n_out, nb]) as the kernels use them, decoded from the file layout independently of detinfer.
+
+    d[..., 0] scales elements 0-15, d[..., 1] elements 16-31 (equal except in Q6_K). Nibble formats: byte j
+    holds element j in its low nibble and element j+16 in its high one, Q5 bit 4 of element e is bit e of qh.
+    Offsets: Q4_0 -8 d, Q4_K/Q5_K -(dmin * m); Q5_0 and Q6_K have signed codes q - 16, q - 32 and no offset.
     """
-    blocks = raw.reshape(-1).view(BLOCK_DTYPES[qtype]).reshape(raw.shape[0], n_in // QK)
-    d = blocks["d"].astype(np.float64)
-    if qtype == Q.Q8_0:
-        return blocks["qs"].astype(np.float64), d, np.zeros_like(d)
-    qs = blocks["qs"]
-    codes = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.float64)
-    m = blocks["m"].astype(np.float64) if qtype == Q.Q4_1 else -8.0 * d
-    return codes, d, m
+    n_out = raw.shape[0]
+    block_size = GGML_QUANT_SIZES[qtype][0]
+    blk = raw.reshape(-1).view(BLOCK_DTYPES[qtype]).reshape(n_out, n_in // block_size)
+    nb = n_in // QK
+    if qtype in (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1):
+        d = blk["d"].astype(np.float64)
+        if qtype == Q.Q8_0:
+            codes, m = blk["qs"].astype(np.float64), np.zeros_like(d)
+        else:
+            codes = np.concatenate([blk["qs"] & 15, blk["qs"] >> 4], axis=-1).astype(np.float64)
+            if qtype in (Q.Q5_0, Q.Q5_1):
+                qh = blk["qh"].view("<u4")[..., 0]
+                codes += 16 * ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1)
+            if qtype == Q.Q5_0:  # widened to the Q8_0 kernel: signed codes, no offset
+                codes, m = codes - 16.0, None
+            else:
+                m = blk["m"].astype(np.float64) if qtype != Q.Q4_0 else -8.0 * d
+        return codes, np.stack([d, d], axis=-1), m
+    if qtype == Q.Q6_K:
+        # element 128 h + 64 n + l: nibble n of ql[64 h + l]; element 128 h + 32 k + l: bits 2k, 2k+1 of qh[32 h + l]
+        ql, qh = blk["ql"].reshape(n_out, -1, 2, 64), blk["qh"].reshape(n_out, -1, 2, 32)
+        lo = np.stack([ql & 15, ql >> 4], axis=-2).reshape(n_out, -1, 256)
+        hi = np.stack([(qh >> (2 * k)) & 3 for k in range(4)], axis=-2).reshape(n_out, -1, 256)
+        codes = (lo | (hi << 4)).astype(np.float64) - 32.0
+        d = blk["d"].astype(np.float64)[..., None] * blk["scales"].astype(np.float64)  # [n_out, n_sb, 16]
+        return codes.reshape(n_out, nb, QK), d.reshape(n_out, nb, 2), None
+    sc, mn = _k_scale_min(blk["scales"])
+    d = blk["d"].astype(np.float64)[..., None] * sc  # [n_out, n_sb, 8]
+    m = -blk["dmin"].astype(np.float64)[..., None] * mn
+    qs = blk["qs"].reshape(n_out, -1, 4, 32)  # 64-element chunks: low nibbles first, then high nibbles
+    codes = np.stack([qs & 15, qs >> 4], axis=-2).reshape(n_out, -1, 8, 32).astype(np.float64)
+    if qtype == Q.Q5_K:
+        codes += 16 * ((blk["qh"][:, :, None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1)
+    d = d.reshape(n_out, nb)
+    return codes.reshape(n_out, nb, QK), np.stack([d, d], axis=-1), m.reshape(n_out, nb)
 
 
 def magnitude(qtype: Q, raw: np.ndarray, n_in: int, x: np.ndarray) -> np.ndarray:
-    """[T, n_out] sum of |terms| the kernel adds: |d| sum|q x| + |m| sum|x| per block, or sum |w x| for dense."""
+    """[T, n_out] sum of |terms| the kernel adds: |d| sum|q x| + |m| sum|x| per block (per half block for the
+    two scales of Q6_K), or sum |w x| for dense."""
     ax = np.abs(x.astype(np.float64))
     if qtype not in BLOCK_DTYPES:
         return ax @ np.abs(gguf_dequantize(raw, qtype).astype(np.float64)).T
     codes, d, m = block_fields(qtype, raw, n_in)
-    axb = ax.reshape(ax.shape[0], -1, QK)  # [T, nb, 32]
-    s = np.einsum("rbj,tbj->trb", np.abs(codes), axb)
-    return np.einsum("rb,trb->tr", np.abs(d), s) + np.einsum("rb,tb->tr", np.abs(m), axb.sum(axis=2))
+    axb = ax.reshape(ax.shape[0], -1, 2, QK // 2)  # [T, nb, half, 16]
+    s = np.einsum("rbhj,tbhj->trbh", np.abs(codes).reshape(codes.shape[0], -1, 2, QK // 2), axb)
+    mag = np.einsum("rbh,trbh->tr", np.abs(d), s)
+    return mag if m is None else mag + np.einsum("rb,tb->tr", np.abs(m), axb.sum(axis=(2, 3)))
 
 
 def run_matmul(mat: QMatrix, x: np.ndarray) -> np.ndarray:
@@ -151,6 +202,7 @@ def run_matmul(mat: QMatrix, x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("n_out, n_in", MATRIX_SHAPES, ids=lambda v: str(v))
 @pytest.mark.parametrize("qtype", MATRIX_TYPES, ids=lambda t: t.name)
 def test_matmul_matches_float64_oracle(qtype, n_out, n_in):
+    n_in = row_length(qtype, n_in)
     rng = np.random.default_rng([int(qtype), n_out, n_in])
     raw = random_matrix(qtype, n_out, n_in, rng)
     mat = QMatrix.from_raw("w", qtype, raw, n_in)
@@ -255,7 +307,7 @@ def emulate_matmul_f32(qtype: Q, raw: np.ndarray, n_in: int, x: np.ndarray) -> n
         for k in range(n_in):
             acc = acc + w[None, :, k] * x[:, k, None]
         return acc
-    codes, d, m = (a.astype(f) for a in block_fields(qtype, raw, n_in))  # all exact in float32
+    codes, d, m = (None if a is None else a.astype(f) for a in block_fields(qtype, raw, n_in))  # exact in float32
     xb = x.reshape(T, -1, QK)  # [T, nb, 32]
     # per block: four partial sums over elements 8k .. 8k+7 in increasing order, c_k = fma(q, x, c_k) from +0
     c = [np.zeros((T,) + codes.shape[:2], f) for _ in range(4)]  # [T, n_out, nb] each
@@ -264,15 +316,20 @@ def emulate_matmul_f32(qtype: Q, raw: np.ndarray, n_in: int, x: np.ndarray) -> n
             c[k] = fma32_emulated(codes[None, :, :, e], xb[:, None, :, e], c[k])
     s = (c[0] + c[1]) + (c[2] + c[3])
     acc = np.zeros((T, codes.shape[0]), f)
-    if qtype == Q.Q8_0:
+    if qtype in (Q.Q8_0, Q.Q5_0):
         for b in range(codes.shape[1]):  # blocks left to right: acc = fma(d, s, acc)
-            acc = fma32_emulated(d[None, :, b], s[:, :, b], acc)
+            acc = fma32_emulated(d[None, :, b, 0], s[:, :, b], acc)
+        return acc
+    if qtype == Q.Q6_K:
+        for b in range(codes.shape[1]):  # blocks left to right, a scale per half: acc = fma(d1, s1, fma(d0, s0, acc))
+            acc = fma32_emulated(d[None, :, b, 0], c[0][:, :, b] + c[1][:, :, b], acc)
+            acc = fma32_emulated(d[None, :, b, 1], c[2][:, :, b] + c[3][:, :, b], acc)
         return acc
     xsum = np.zeros(xb.shape[:2], f)  # block_sums: left to right over the block's 32 elements
     for j in range(QK):
         xsum = xsum + xb[:, :, j]
     for b in range(codes.shape[1]):  # blocks left to right: acc = acc + fma(d, s, m * xsum)
-        acc = acc + fma32_emulated(d[None, :, b], s[:, :, b], m[None, :, b] * xsum[:, b, None])
+        acc = acc + fma32_emulated(d[None, :, b, 0], s[:, :, b], m[None, :, b] * xsum[:, b, None])
     return acc
 
 
@@ -280,7 +337,7 @@ def emulate_matmul_f32(qtype: Q, raw: np.ndarray, n_in: int, x: np.ndarray) -> n
 @pytest.mark.parametrize("qtype", MATRIX_TYPES, ids=lambda t: t.name)
 def test_matmul_follows_documented_summation_order(qtype, T):
     """Bitwise equal to a float32 emulation of the order in the kernels' docstrings (part of the spec)."""
-    n_out, n_in = 3 * R + 5, 576  # a ragged last row group
+    n_out, n_in = 3 * R + 5, row_length(qtype, 576)  # a ragged last row group
     rng = np.random.default_rng([int(qtype) + 100, T])
     raw = random_matrix(qtype, n_out, n_in, rng)
     x = activations(rng, T, n_in)
@@ -291,19 +348,20 @@ def test_matmul_follows_documented_summation_order(qtype, T):
 
 @pytest.mark.parametrize("qtype", MATRIX_TYPES, ids=lambda t: t.name)
 def test_matmul_chunk_equals_one_token_calls(qtype):
-    n_out, n_in = 3 * R + 5, 576
+    n_out, n_in = 3 * R + 5, row_length(qtype, 576)
     rng = np.random.default_rng(int(qtype) + 200)
     mat = QMatrix.from_raw("w", qtype, random_matrix(qtype, n_out, n_in, rng), n_in)
     x = activations(rng, 5, n_in)
-    chunk = run_matmul(mat, x)
     singles = np.concatenate([run_matmul(mat, x[t : t + 1].copy()) for t in range(5)])
-    assert_bytes_equal(chunk, singles, f"{qtype.name} T=5 chunk vs 5 one-token calls", axes=("token", "row"))
+    for T in (2, 3, 4, 5):  # pairs only, and pairs plus the odd last token
+        chunk = run_matmul(mat, x[:T])
+        assert_bytes_equal(chunk, singles[:T], f"{qtype.name} T={T} chunk vs one-token calls", axes=("token", "row"))
 
 
 @pytest.mark.parametrize("qtype", MATRIX_TYPES, ids=lambda t: t.name)
 def test_matmul_same_bytes_at_one_and_two_threads(qtype, restore_threads):
     two_threads_or_skip()
-    n_out, n_in = 4 * R + 3, 576  # several row groups, so two threads really split the work
+    n_out, n_in = 4 * R + 3, row_length(qtype, 576)  # several row groups, so two threads really split the work
     rng = np.random.default_rng(int(qtype) + 300)
     mat = QMatrix.from_raw("w", qtype, random_matrix(qtype, n_out, n_in, rng), n_in)
     x = activations(rng, 3, n_in)

@@ -9,16 +9,25 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from detinfer.gguf_file import ModelFile
-from detinfer.quants import F16_TO_F32, dequantize, dequantize_row, f32_to_f16_array, f32_to_f16_bits
+from detinfer.quants import F16_TO_F32, dequantize, dequantize_row, f32_to_f16_array, f32_to_f16_bits, unpack_rows
 
-ALL_TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1]
-QUANT_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1]
+K_QUANTS = [T.Q4_K, T.Q5_K, T.Q6_K]
+UNPACKED_TYPES = [T.Q5_0, T.Q5_1] + K_QUANTS  # the types unpack_rows serves
+ALL_TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1] + UNPACKED_TYPES
+QUANT_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]  # the ones gguf-py can also quantize
 
-# Block layouts of ggml-common.h (block_q8_0, block_q4_0, block_q4_1), packed as in the file.
+# Block layouts of ggml-common.h (block_q8_0, block_q4_0, ..., block_q6_K), packed as in the file. In the
+# k-quants, "d"/"dmin" are the super-block scales, "scales" the packed sub-block scales (6-bit sc and m for
+# Q4_K/Q5_K, int8 for Q6_K).
 BLOCK_DTYPES = {
     T.Q8_0: np.dtype([("d", "<f2"), ("qs", "i1", (32,))]),
     T.Q4_0: np.dtype([("d", "<f2"), ("qs", "u1", (16,))]),
     T.Q4_1: np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", (16,))]),
+    T.Q5_0: np.dtype([("d", "<f2"), ("qh", "u1", (4,)), ("qs", "u1", (16,))]),
+    T.Q5_1: np.dtype([("d", "<f2"), ("m", "<f2"), ("qh", "u1", (4,)), ("qs", "u1", (16,))]),
+    T.Q4_K: np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", (12,)), ("qs", "u1", (128,))]),
+    T.Q5_K: np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", (12,)), ("qh", "u1", (32,)), ("qs", "u1", (128,))]),
+    T.Q6_K: np.dtype([("ql", "u1", (128,)), ("qh", "u1", (64,)), ("scales", "i1", (16,)), ("d", "<f2")]),
 }
 
 
@@ -136,22 +145,24 @@ def random_rows(qtype: T, n_rows: int, n_cols: int, rng: np.random.Generator) ->
     """Random valid rows of ``qtype``: (n_rows, row_bytes) uint8.
 
     Float types get random bit patterns (NaNs and infs included: widening must keep them bit for bit).
-    Quantized types get finite non-zero f16 scales of realistic magnitude and random quants.
+    Quantized types get finite non-zero f16 scales of realistic magnitude and random bytes everywhere else
+    (quants, high bits, packed sub-block scales).
     """
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     row_bytes = n_cols // block_size * type_size
     if qtype not in BLOCK_DTYPES:
         return rng.integers(0, 256, size=(n_rows, row_bytes), dtype=np.uint8)
     n_blocks = n_rows * n_cols // block_size
-    blocks = np.zeros(n_blocks, dtype=BLOCK_DTYPES[qtype])
+    blocks = rng.integers(0, 256, size=n_blocks * type_size, dtype=np.uint8).view(BLOCK_DTYPES[qtype])
     magnitude = rng.uniform(1e-4, 0.08, n_blocks)
-    if qtype == T.Q4_1:
+    if qtype in (T.Q4_1, T.Q5_1):
         blocks["d"] = magnitude  # (max - min) / 15 >= 0
         blocks["m"] = rng.uniform(-0.6, 0.1, n_blocks) + 1e-3  # the block minimum
+    elif qtype in (T.Q4_K, T.Q5_K):
+        blocks["d"] = magnitude / 63  # sub-block scale d * sc with the 6-bit sc
+        blocks["dmin"] = rng.uniform(1e-4, 0.01, n_blocks)
     else:
-        blocks["d"] = magnitude * rng.choice([-1.0, 1.0], n_blocks)
-    raw_qs = rng.integers(0, 256, size=blocks["qs"].shape, dtype=np.uint8)
-    blocks["qs"] = raw_qs.view(blocks["qs"].dtype)
+        blocks["d"] = magnitude * rng.choice([-1.0, 1.0], n_blocks) / (127 if qtype == T.Q6_K else 1)
     assert np.all(blocks["d"] != 0) and np.all(np.isfinite(blocks["d"]))
     return blocks.view(np.uint8).reshape(n_rows, row_bytes)
 
@@ -159,7 +170,7 @@ def random_rows(qtype: T, n_rows: int, n_cols: int, rng: np.random.Generator) ->
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
 def test_dequantize_matches_gguf_on_random_rows(qtype):
     rng = np.random.default_rng(int(qtype) + 1)
-    raw = random_rows(qtype, 3, 512, rng)
+    raw = random_rows(qtype, 3, 512, rng)  # k-quants: two super-blocks per row
     with np.errstate(all="ignore"):
         want = gguf_dequantize(raw, qtype)
     got = dequantize(raw, qtype)
@@ -175,23 +186,24 @@ def test_dequantize_matches_gguf_on_gguf_quantized_rows(qtype):
     assert_bits_equal(dequantize(raw, qtype), gguf_dequantize(raw, qtype))
 
 
-@pytest.mark.parametrize(
-    "qtype, field", [(T.Q8_0, "d"), (T.Q4_0, "d"), (T.Q4_1, "d"), (T.Q4_1, "m")], ids=lambda v: getattr(v, "name", v)
-)
-def test_dequantize_matches_gguf_for_every_f16_scale(qtype, field):
-    """Every half bit pattern as the scale d (or as Q4_1's minimum m): subnormals, zeros, infs, NaNs.
+F16_FIELDS = [(T.Q8_0, "d"), (T.Q4_0, "d"), (T.Q4_1, "d"), (T.Q4_1, "m"), (T.Q5_0, "d"), (T.Q5_1, "d"),
+              (T.Q5_1, "m"), (T.Q4_K, "d"), (T.Q4_K, "dmin"), (T.Q5_K, "d"), (T.Q5_K, "dmin"), (T.Q6_K, "d")]
 
-    Q4_1's other field stays finite: when d * q and m are both NaN, which payload the sum keeps is up to
-    the instruction's operand order (LLVM treats fadd as commutative; numpy keeps the first operand's).
+
+@pytest.mark.parametrize("qtype, field", F16_FIELDS, ids=lambda v: getattr(v, "name", v))
+def test_dequantize_matches_gguf_for_every_f16_scale(qtype, field):
+    """Every half bit pattern as the scale d (or as the minimum m, dmin): subnormals, zeros, infs, NaNs.
+
+    The block's other f16 field stays finite: when d * q and m are both NaN, which payload the sum keeps is
+    up to the instruction's operand order (LLVM treats fadd as commutative; numpy keeps the first operand's).
     """
     rng = np.random.default_rng(11)
     n_blocks = 65536
-    blocks = np.zeros(n_blocks, dtype=BLOCK_DTYPES[qtype])
-    blocks[field] = np.arange(n_blocks, dtype=np.uint16).view(np.float16)
-    if qtype == T.Q4_1:
-        other = "m" if field == "d" else "d"
+    dtype = BLOCK_DTYPES[qtype]
+    blocks = rng.integers(0, 256, size=n_blocks * dtype.itemsize, dtype=np.uint8).view(dtype)
+    for other in {"d", "m", "dmin"} & set(dtype.names) - {field}:
         blocks[other] = rng.uniform(-0.5, 0.5, n_blocks)
-    blocks["qs"] = rng.integers(0, 256, size=blocks["qs"].shape, dtype=np.uint8).view(blocks["qs"].dtype)
+    blocks[field] = np.arange(n_blocks, dtype=np.uint16).view(np.float16)
     raw = blocks.view(np.uint8).reshape(64, -1)
     with np.errstate(all="ignore"):
         want = gguf_dequantize(raw, qtype)
@@ -214,8 +226,8 @@ def test_dequantize_row_is_alignment_independent(qtype):
 
 def test_dequantize_rejects_bad_input():
     raw = np.zeros((2, 40), dtype=np.uint8)
-    with pytest.raises(ValueError, match="Q5_0"):
-        dequantize(raw, T.Q5_0)
+    with pytest.raises(ValueError, match="IQ2_XS"):
+        dequantize(raw, T.IQ2_XS)
     with pytest.raises(ValueError, match="multiple"):
         dequantize(np.zeros((2, 41), dtype=np.uint8), T.Q4_1)
     with pytest.raises(ValueError, match="uint8"):
@@ -223,7 +235,38 @@ def test_dequantize_rejects_bad_input():
     with pytest.raises(ValueError):  # raw holds 2 Q4_1 blocks = 64 values, out has room for 96
         dequantize_row(int(T.Q4_1), raw[0], np.empty(96, np.float32))
     with pytest.raises(ValueError):
-        dequantize_row(int(T.Q5_0), raw[0], np.empty(64, np.float32))
+        dequantize_row(int(T.IQ2_XS), raw[0], np.empty(64, np.float32))
+    with pytest.raises(ValueError):  # 144 bytes are one Q4_K super-block: 256 values, not 512
+        dequantize_row(int(T.Q4_K), np.zeros(144, np.uint8), np.empty(512, np.float32))
+
+
+@pytest.mark.parametrize("qtype", UNPACKED_TYPES, ids=lambda t: t.name)
+def test_unpack_rows_reconstructs_gguf_values(qtype):
+    """scale * code + offset (exact in float64) is gguf-py's value up to gguf's own float32 roundings.
+
+    gguf-py rounds d * (q - 16) and D * (q - 32) once (Q5_0, Q6_K: then the float32 of the exact value equals
+    its result, up to the sign of zero) and d * q + m, D * q - DM twice (one float32 ulp of each term).
+    """
+    rng = np.random.default_rng(int(qtype) + 40)
+    n = 512
+    raw = random_rows(qtype, 4, n, rng)
+    sub = 16 if qtype == T.Q6_K else 32
+    codes = np.empty((4, n), np.uint8)
+    scale = np.full((4, n // sub), np.nan, np.float32)
+    offset = np.full((4, n // sub), np.nan, np.float32)
+    unpack_rows(int(qtype), raw, codes, scale, offset)
+    assert codes.max() < {T.Q4_K: 16, T.Q6_K: 64}.get(qtype, 32)
+    term = np.repeat(scale.astype(np.float64), sub, axis=1) * codes
+    off = np.repeat(offset.astype(np.float64), sub, axis=1)
+    want = gguf_dequantize(raw, qtype).astype(np.float64)
+    if qtype in (T.Q5_0, T.Q6_K):
+        bad = np.argwhere((term + off).astype(np.float32) != want.astype(np.float32))
+        assert not len(bad), f"{len(bad)} values differ; first at (row, column) {tuple(bad[0])}"
+    else:
+        err = np.abs(term + off - want)
+        assert np.all(err <= 2.0**-24 * (np.abs(term) + np.abs(term + off)) * 1.0001), f"max error {err.max()}"
+    with pytest.raises(ValueError):
+        unpack_rows(int(T.Q4_1), raw, codes, scale, offset)
 
 
 # ---- the real model ---------------------------------------------------------------------------------
