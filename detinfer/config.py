@@ -8,10 +8,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .arch import ARCHITECTURES
 from .errors import ConfigError, GGUFError
 from .gguf_file import ModelFile
-
-SUPPORTED_ARCHITECTURES = ("llama",)
 
 
 @dataclass(frozen=True)
@@ -23,6 +22,10 @@ class ModelConfig:
     (grouped-query attention when they differ); head_dim: width of one head; n_ff: FFN inner width;
     rope_freq_base: RoPE theta base; rms_norm_eps: RMSNorm epsilon; tied_embeddings: logits use token_embd
     when the file has no ``output.weight``.
+    Attention pattern (see :class:`detinfer.arch.Architecture`): swa_layers[il] is True for a sliding-window
+    layer, where the query at position p sees keys p' with p - p' < sliding_window (llama.cpp
+    LLAMA_SWA_TYPE_STANDARD) and RoPE uses rope_freq_base_swa; other layers see every earlier position and
+    use rope_freq_base. query_pre_attn_scalar: scores are scaled by 1 / sqrt(query_pre_attn_scalar).
     """
 
     arch: str
@@ -37,6 +40,10 @@ class ModelConfig:
     rope_freq_base: float
     rms_norm_eps: float
     tied_embeddings: bool
+    sliding_window: int
+    swa_layers: tuple[bool, ...]
+    rope_freq_base_swa: float
+    query_pre_attn_scalar: float
 
     @property
     def kv_width(self) -> int:
@@ -54,10 +61,15 @@ class ModelConfig:
         Raises ConfigError naming the architecture if it is unsupported, or the key if one is missing or invalid.
         """
         arch = mf.architecture
-        if arch not in SUPPORTED_ARCHITECTURES:
+        if arch not in ARCHITECTURES:
             raise ConfigError(
-                f"{mf.path.name}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+                f"{mf.path.name}: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
             )
+        spec = ARCHITECTURES[arch]
+        # Logit soft-capping (Gemma 2; llama.cpp applies it when these keys are present): refused, never ignored.
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if f"{arch}.{name}" in mf.metadata:
+                raise ConfigError(f"{mf.path.name}: metadata key '{arch}.{name}' (logit soft-capping) is not supported")
 
         def key(name: str, default=None, kind: type = int):
             """The value of ``{arch}.{name}`` as ``kind``: an int must be stored as an integer, a float as a finite
@@ -89,23 +101,34 @@ class ModelConfig:
         head_dim = key("attention.key_length", n_embd // n_head)
         if head_dim <= 0 or head_dim % 2:
             raise ConfigError(f"{mf.path.name}: head_dim {head_dim} must be even for RoPE")
+        n_layer = key("block_count")
+        rope_freq_base = key("rope.freq_base", 10000.0, float)
+        # llama.cpp reads the window only for architectures with a sliding-window pattern; it is required there.
+        p = spec.swa_pattern
+        window = key("attention.sliding_window") if p else 0
         cfg = cls(
             arch=arch,
             n_vocab=key("vocab_size", embd.ne[1] if len(embd.ne) > 1 else 0),
             n_ctx_train=key("context_length"),
             n_embd=n_embd,
-            n_layer=key("block_count"),
+            n_layer=n_layer,
             n_head=n_head,
             n_head_kv=n_head_kv,
             head_dim=head_dim,
             n_ff=key("feed_forward_length"),
-            rope_freq_base=key("rope.freq_base", 10000.0, float),
+            rope_freq_base=rope_freq_base,
             rms_norm_eps=key("attention.layer_norm_rms_epsilon", None, float),
             tied_embeddings="output.weight" not in mf.tensors,
+            sliding_window=window,
+            swa_layers=tuple(p > 0 and il % p < p - 1 for il in range(max(n_layer, 0))),
+            rope_freq_base_swa=rope_freq_base if spec.rope_freq_base_swa is None else spec.rope_freq_base_swa,
+            query_pre_attn_scalar=float(head_dim) if spec.query_pre_attn_scalar is None else spec.query_pre_attn_scalar,
         )
         for name in ("n_vocab", "n_ctx_train", "n_layer", "n_ff"):
             if getattr(cfg, name) <= 0:
                 raise ConfigError(f"{mf.path.name}: {name} must be positive, got {getattr(cfg, name)}")
+        if spec.swa_pattern and cfg.sliding_window <= 0:
+            raise ConfigError(f"{mf.path.name}: attention.sliding_window must be positive, got {cfg.sliding_window}")
         if cfg.rope_freq_base <= 0 or cfg.rms_norm_eps < 0:
             raise ConfigError(
                 f"{mf.path.name}: rope.freq_base {cfg.rope_freq_base} must be > 0 and layer_norm_rms_epsilon "

@@ -15,6 +15,7 @@ import numba
 import numpy as np
 
 from . import kernels
+from .arch import ARCHITECTURES
 from .chat import ChatTemplate
 from .config import ModelConfig
 from .errors import InputError
@@ -23,7 +24,7 @@ from .kvcache import KVCache, check_kv_fits, kv_bytes_per_number, parse_kv_type
 from .quants import dequantize_row
 from .registry import resolve_model
 from .tokenizer import Tokenizer
-from .weights import LlamaWeights
+from .weights import Weights
 
 DEFAULT_N_CTX = 4096
 DEFAULT_CHUNK = 64  # prefill tokens per forward chunk: any value gives the same bytes
@@ -72,9 +73,17 @@ class Engine:
         check_kv_fits(cfg, n_ctx, self.kv_type)  # before any table of n_ctx rows is built
         self.tokenizer = Tokenizer.from_model(model_file)
         self.chat_template = ChatTemplate.from_model(model_file)
-        self.weights = LlamaWeights.load(model_file, cfg)
-        self.rope_cos, self.rope_sin = kernels.rope_table(n_ctx, cfg.head_dim, cfg.rope_freq_base)
-        self.attn_scale = np.float32(1.0 / np.sqrt(np.float64(cfg.head_dim)))
+        self.weights = Weights.load(model_file, cfg)
+        arch = ARCHITECTURES[cfg.arch]
+        self._rope = kernels.rope_neox if arch.rope_style == "neox" else kernels.rope_norm
+        self._ffn_act = kernels.geglu if arch.activation == "gelu_tanh" else kernels.swiglu
+        # gemma3 scales embeddings by sqrtf(n_embd) (llama.cpp src/models/gemma3.cpp); None: no scaling.
+        self._embd_scale = np.float32(np.sqrt(np.float32(cfg.n_embd))) if arch.embd_scale else None
+        # Per layer: (cos, sin) RoPE tables [n_ctx, head_dim / 2] of the layer's base, and its window (0: none).
+        tables = {b: kernels.rope_table(n_ctx, cfg.head_dim, b) for b in {cfg.rope_freq_base, cfg.rope_freq_base_swa}}
+        self._layer_rope = [tables[cfg.rope_freq_base_swa if swa else cfg.rope_freq_base] for swa in cfg.swa_layers]
+        self._layer_window = [cfg.sliding_window if swa else 0 for swa in cfg.swa_layers]
+        self.attn_scale = np.float32(1.0 / np.sqrt(np.float64(cfg.query_pre_attn_scalar)))
         self._scratch: dict[int, _Scratch] = {}
 
     @classmethod
@@ -145,7 +154,9 @@ class Engine:
         return logits if all_logits else logits[0]
 
     def _forward_chunk(self, ids: np.ndarray, cache: KVCache, logits: np.ndarray | None, all_rows: bool) -> None:
-        """One chunk through every layer (llama: Touvron et al. 2023, as llama.cpp runs GGUF llama files)."""
+        """One chunk through every layer: the llama block (Touvron et al. 2023, as llama.cpp runs GGUF llama files)
+        with the optional steps of the architecture (detinfer/arch.py): q/k/v bias, per-head q/k norm, RoPE style
+        and base per layer, sliding-window layers, post-attention / post-FFN norms, FFN activation."""
         cfg, w = self.config, self.weights
         T = ids.shape[0]
         s = self._scratch_for(T)
@@ -155,25 +166,39 @@ class Engine:
         eps = np.float32(cfg.rms_norm_eps)
         for t in range(T):
             dequantize_row(int(w.token_embd_type), w.token_embd[ids[t]], s.x[t])
+        if self._embd_scale is not None:
+            s.x *= self._embd_scale  # one float32 multiply per element
         nb_embd, nb_q, nb_ff = cfg.n_embd // kernels.QK, qw // kernels.QK, cfg.n_ff // kernels.QK
         for li, layer in enumerate(w.layers):
             kernels.rmsnorm(s.x, layer.attn_norm, eps, s.xn)
             kernels.block_sums(s.xn, s.xsum[:, :nb_embd])
             layer.attn_qkv(s.xn, s.xsum[:, :nb_embd], s.qkv)
+            if layer.attn_qkv_bias is not None:
+                kernels.add_bias(s.qkv, layer.attn_qkv_bias)
             q, k, v = s.qkv[:, :qw], s.qkv[:, qw : qw + kvw], s.qkv[:, qw + kvw :]
-            kernels.rope_norm(q, positions, cfg.n_head, cfg.head_dim, self.rope_cos, self.rope_sin)
-            kernels.rope_norm(k, positions, cfg.n_head_kv, cfg.head_dim, self.rope_cos, self.rope_sin)
+            if layer.attn_q_norm is not None:
+                kernels.rmsnorm_heads(q.reshape(T, cfg.n_head, cfg.head_dim), layer.attn_q_norm, eps)
+                kernels.rmsnorm_heads(k.reshape(T, cfg.n_head_kv, cfg.head_dim), layer.attn_k_norm, eps)
+            cos, sin = self._layer_rope[li]
+            self._rope(q, positions, cfg.n_head, cfg.head_dim, cos, sin)
+            self._rope(k, positions, cfg.n_head_kv, cfg.head_dim, cos, sin)
             kernels.kv_write(cache.k[li], cache.v[li], k, v, pos0)
-            kernels.attention(q, cache.k[li], cache.v[li], pos0, cfg.n_head, self.attn_scale, cache.lut, s.attn)
+            kernels.attention(
+                q, cache.k[li], cache.v[li], pos0, cfg.n_head, self.attn_scale, cache.lut, s.attn, self._layer_window[li]
+            )
             kernels.block_sums(s.attn, s.xsum[:, :nb_q])
             layer.attn_output(s.attn, s.xsum[:, :nb_q], s.proj)
+            if layer.post_attention_norm is not None:
+                kernels.rmsnorm(s.proj, layer.post_attention_norm, eps, s.proj)
             kernels.add_inplace(s.x, s.proj)
             kernels.rmsnorm(s.x, layer.ffn_norm, eps, s.xn)
             kernels.block_sums(s.xn, s.xsum[:, :nb_embd])
             layer.ffn_gate_up(s.xn, s.xsum[:, :nb_embd], s.gate_up)
-            kernels.swiglu(s.gate_up[:, : cfg.n_ff], s.gate_up[:, cfg.n_ff :], s.ffn)
+            self._ffn_act(s.gate_up[:, : cfg.n_ff], s.gate_up[:, cfg.n_ff :], s.ffn)
             kernels.block_sums(s.ffn, s.xsum[:, :nb_ff])
             layer.ffn_down(s.ffn, s.xsum[:, :nb_ff], s.proj)
+            if layer.post_ffw_norm is not None:
+                kernels.rmsnorm(s.proj, layer.post_ffw_norm, eps, s.proj)
             kernels.add_inplace(s.x, s.proj)
         cache.tokens.extend(int(i) for i in ids)
         if logits is None:

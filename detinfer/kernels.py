@@ -553,13 +553,15 @@ def kv_write(k_cache, v_cache, k, v, pos0):
 
 
 @njit(cache=True, parallel=True)
-def attention(q, k_cache, v_cache, pos0, n_head, scale, lut, out):
+def attention(q, k_cache, v_cache, pos0, n_head, scale, lut, out, window=0):
     """Causal grouped-query attention of T query tokens at positions pos0.. against the KV cache.
 
     q: float32 [T, n_head*head_dim] (after RoPE); k_cache: [n_head_kv, head_dim, n_ctx]; v_cache:
     [n_head_kv, n_ctx, head_dim] (float32, or uint16 float16 bits decoded through ``lut``); out: float32
     [T, n_head*head_dim]. Query head h reads KV head h // (n_head / n_head_kv) (GQA, Ainslie et al. 2023).
-    For query t at position p = pos0 + t and every key position i <= p, in this order:
+    window: 0 for full causal attention; w > 0 for a sliding window, where the query at p sees key positions
+    i with p - i < w (llama.cpp LLAMA_SWA_TYPE_STANDARD masks p - i >= n_swa).
+    For query t at position p = pos0 + t and every visible key position i <= p, in increasing i:
     score_i = (sum over d of q_d * k_id, d left to right) * scale; m = max_i score_i;
     e_i = expf(score_i - m); z = sum of e_i, i left to right; out_d = (sum of e_i * v_id, i left to right) / z.
     Parallel over (token, head) pairs only.
@@ -571,14 +573,16 @@ def attention(q, k_cache, v_cache, pos0, n_head, scale, lut, out):
         t = job // n_head
         h = job % n_head
         g = h // group
-        n = pos0 + t + 1
+        p = pos0 + t
+        lo = max(0, p - window + 1) if window > 0 else 0  # first visible key position
+        n = p + 1 - lo
         qt = q[t]
         s = np.zeros(n, np.float32)
         for dd in range(hd):
             qd = qt[h * hd + dd]
             krow = k_cache[g, dd]
             for i in range(n):
-                s[i] += qd * kv_load(krow, i, lut)
+                s[i] += qd * kv_load(krow, lo + i, lut)
         mx = np.float32(-np.inf)
         for i in range(n):
             s[i] = s[i] * scale
@@ -590,9 +594,76 @@ def attention(q, k_cache, v_cache, pos0, n_head, scale, lut, out):
         acc = np.zeros(hd, np.float32)
         for i in range(n):
             e = s[i]
-            vrow = v_cache[g, i]
+            vrow = v_cache[g, lo + i]
             for dd in range(hd):
                 acc[dd] += e * kv_load(vrow, dd, lut)
         ot = out[t]
         for dd in range(hd):
             ot[h * hd + dd] = acc[dd] / z
+
+
+# --- Operators of other architectures (see detinfer/arch.py) ---------------------------------------------
+
+
+@njit(cache=True)
+def rope_neox(x, positions, n_head, head_dim, cos, sin):
+    """In-place RoPE, llama.cpp "NeoX" mode (halves), as GGUF qwen2 / qwen3 / gemma3 files expect.
+
+    x: float32 [T, n_head * head_dim]; positions: int64 [T]; cos, sin: [n_ctx, head_dim // 2] (:func:`rope_table`).
+    For each head and i < head_dim/2: (x0, x1) = (x[i], x[i + head_dim/2]) -> (x0*c - x1*s, x0*s + x1*c).
+    """
+    half = head_dim // 2
+    for t in range(x.shape[0]):
+        c = cos[positions[t]]
+        s = sin[positions[t]]
+        xt = x[t]
+        for h in range(n_head):
+            o = h * head_dim
+            for i in range(half):
+                x0 = xt[o + i]
+                x1 = xt[o + half + i]
+                xt[o + i] = x0 * c[i] - x1 * s[i]
+                xt[o + half + i] = x0 * s[i] + x1 * c[i]
+
+
+@njit(cache=True)
+def rmsnorm_heads(x, w, eps):
+    """In-place RMSNorm of every head (query/key norm): x[t, h] = rmsnorm(x[t, h]) * w, in :func:`rmsnorm`'s order.
+
+    x: float32 [T, n_head, head_dim] (a view of q or k); w: float32 [head_dim], shared by all heads.
+    """
+    for t in range(x.shape[0]):
+        rmsnorm(x[t], w, eps, x[t])
+
+
+@njit(cache=True)
+def add_bias(x, b):
+    """x[t] += b for every row t; x: float32 [T, n], b: float32 [n]."""
+    for t in range(x.shape[0]):
+        xt = x[t]
+        for i in range(xt.shape[0]):
+            xt[i] += b[i]
+
+
+GELU_COEF_A = np.float32(0.044715)  # ggml-cpu vec.h, as in the tanh approximation (Hendrycks & Gimpel 2016)
+SQRT_2_OVER_PI = np.float32(0.79788456080286535587989211986876)
+
+
+@njit(cache=True)
+def geglu(gate, up, out):
+    """GeGLU (Shazeer 2020) with tanh-approximated GELU: out = gelu(gate) * up; float32 [T, n_ff].
+
+    gelu(g) = 0.5 g (1 + tanh(y)), y = sqrt(2/pi) * g * (1 + 0.044715 g^2) (ggml's ``gelu`` formula, HF
+    "gelu_pytorch_tanh"). Computed as g / (1 + expf(-2y)), which is the same function because
+    0.5 (1 + tanh y) = 1 / (1 + e^-2y): it needs only float32 ``math.exp`` (glibc expf, identical on every
+    target; shared/NUMERICS.md), not a libm tanhf whose code path could vary. Order: y = (C * g) * (1 + (A * g) * g)
+    in float32, then (g / (1 + expf(-(2 y)))) * up.
+    """
+    for t in range(gate.shape[0]):
+        gt = gate[t]
+        ut = up[t]
+        ot = out[t]
+        for i in range(gt.shape[0]):
+            g = gt[i]
+            y = (SQRT_2_OVER_PI * g) * (np.float32(1.0) + (GELU_COEF_A * g) * g)
+            ot[i] = (g / (np.float32(1.0) + math.exp(-(np.float32(2.0) * y)))) * ut[i]

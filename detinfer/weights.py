@@ -2,19 +2,19 @@
 
 Quantized blocks stay quantized: a repacked Q4_1 matrix holds the same 4-bit codes, with each block's f16
 scale and minimum widened (exactly) to f32, regrouped so that ``kernels.ROWS`` output rows are stored
-k-major (see kernels.py). The per-architecture part is a table of tensor names and shapes
-(:func:`llama_tensor_shapes`); adding an architecture means adding such a table and the few lines of the
-forward pass that differ.
+k-major (see kernels.py). Which tensors exist is the architecture's business (:mod:`detinfer.arch`); this
+module loads whatever of them the architecture lists, into one :class:`Layer` shape for every architecture.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from . import kernels
+from .arch import ARCHITECTURES, tensor_shapes
 from .config import ModelConfig
 from .errors import GGUFError
 from .gguf_file import SUPPORTED_TYPES, ModelFile
@@ -146,36 +146,6 @@ class QMatrix:
             kernels.matmul_dense(*self.arrays, x, out)
 
 
-def llama_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Expected GGUF tensors of a llama model and their numpy shapes (n_out, n_in) / (n,).
-
-    Names from llama.cpp's tensor map (gguf-py ``gguf.constants.MODEL_TENSORS[LLAMA]``).
-    """
-    shapes: dict[str, tuple[int, ...]] = {
-        "token_embd.weight": (cfg.n_vocab, cfg.n_embd),
-        "output_norm.weight": (cfg.n_embd,),
-    }
-    if not cfg.tied_embeddings:
-        shapes["output.weight"] = (cfg.n_vocab, cfg.n_embd)
-    q_width = cfg.n_head * cfg.head_dim
-    for i in range(cfg.n_layer):
-        p = f"blk.{i}."
-        shapes.update(
-            {
-                p + "attn_norm.weight": (cfg.n_embd,),
-                p + "attn_q.weight": (q_width, cfg.n_embd),
-                p + "attn_k.weight": (cfg.kv_width, cfg.n_embd),
-                p + "attn_v.weight": (cfg.kv_width, cfg.n_embd),
-                p + "attn_output.weight": (cfg.n_embd, q_width),
-                p + "ffn_norm.weight": (cfg.n_embd,),
-                p + "ffn_gate.weight": (cfg.n_ff, cfg.n_embd),
-                p + "ffn_up.weight": (cfg.n_ff, cfg.n_embd),
-                p + "ffn_down.weight": (cfg.n_embd, cfg.n_ff),
-            }
-        )
-    return shapes
-
-
 def validate_tensors(mf: ModelFile, shapes: dict[str, tuple[int, ...]]) -> None:
     """Check that every expected tensor exists with its shape and a supported type, before any kernel runs.
 
@@ -191,11 +161,11 @@ def validate_tensors(mf: ModelFile, shapes: dict[str, tuple[int, ...]]) -> None:
                 f"(supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))})"
             )
         if len(shape) == 1 and info.ggml_type != Q.F32:
-            raise GGUFError(f"{mf.path.name}: norm tensor {name!r} has type {info.type_name}, expected F32")
+            raise GGUFError(f"{mf.path.name}: vector tensor {name!r} has type {info.type_name}, expected F32")
 
 
 def _matrix(mf: ModelFile, *names: str) -> QMatrix:
-    """One QMatrix of the rows of ``names`` stacked in order (fused projections share one kernel call).
+    """One QMatrix of the rows of ``names`` (tensors of one type) stacked in order.
 
     Fusing changes no result: every output row keeps its own summation order.
     """
@@ -207,51 +177,123 @@ def _matrix(mf: ModelFile, *names: str) -> QMatrix:
 
 
 @dataclass(frozen=True)
-class LlamaLayer:
-    attn_norm: np.ndarray  # float32 [n_embd]
-    attn_qkv: QMatrix  # rows: q (n_head*head_dim), k (kv_width), v (kv_width)
-    attn_output: QMatrix
-    ffn_norm: np.ndarray
-    ffn_gate_up: QMatrix  # rows: gate (n_ff), up (n_ff)
-    ffn_down: QMatrix
+class Projection:
+    """Projections of one input whose outputs are concatenated: out[T, n_out] = x[T, n_in] @ [W_0; W_1; ...].T.
+
+    Consecutive tensors of one type are fused into one QMatrix (one kernel call); a change of type starts a
+    new matrix, whose output goes through its own buffer and is copied into its columns of ``out``. Either
+    way every output row keeps its own summation order, so fusing never changes a bit.
+    """
+
+    mats: tuple[QMatrix, ...]
+    _buffers: dict = field(default_factory=dict, compare=False, repr=False)  # (T, i) -> float32 [T, n_out_i]
+
+    @classmethod
+    def load(cls, mf: ModelFile, *names: str) -> "Projection":
+        runs: list[list[str]] = []
+        for n in names:
+            if runs and mf.tensor(runs[-1][-1]).ggml_type == mf.tensor(n).ggml_type:
+                runs[-1].append(n)
+            else:
+                runs.append([n])
+        return cls(tuple(_matrix(mf, *run) for run in runs))
+
+    @property
+    def n_in(self) -> int:
+        return self.mats[0].n_in
+
+    @property
+    def n_out(self) -> int:
+        return sum(m.n_out for m in self.mats)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.mats)
+
+    def __call__(self, x: np.ndarray, xsum: np.ndarray, out: np.ndarray) -> None:
+        """out[T, n_out] (float32, C-contiguous) = x[T, n_in] @ W.T, with xsum = kernels.block_sums(x)."""
+        if len(self.mats) == 1:
+            self.mats[0](x, xsum, out)
+            return
+        T, col = x.shape[0], 0
+        for i, m in enumerate(self.mats):
+            # Kernels write whole contiguous rows (vectorized across rows); a column slice of out is not one.
+            buf = self._buffers.get((T, i))
+            if buf is None:
+                buf = self._buffers[(T, i)] = np.empty((T, m.n_out), np.float32)
+            m(x, xsum, buf)
+            out[:, col : col + m.n_out] = buf
+            col += m.n_out
 
 
 @dataclass(frozen=True)
-class LlamaWeights:
+class Layer:
+    """One block's weights; a field is None when the architecture has no such tensor (see detinfer.arch).
+
+    Norm and bias vectors are float32; matrices are Projections.
+    """
+
+    attn_norm: np.ndarray  # [n_embd]
+    attn_qkv: Projection  # rows: q (n_head*head_dim), k (kv_width), v (kv_width)
+    attn_qkv_bias: np.ndarray | None  # [n_head*head_dim + 2 kv_width]: q, k, v biases concatenated (qwen2)
+    attn_q_norm: np.ndarray | None  # [head_dim], shared by all query heads (qwen3, gemma3)
+    attn_k_norm: np.ndarray | None  # [head_dim]
+    attn_output: Projection
+    post_attention_norm: np.ndarray | None  # [n_embd] (gemma3)
+    ffn_norm: np.ndarray  # [n_embd]
+    ffn_gate_up: Projection  # rows: gate (n_ff), up (n_ff)
+    ffn_down: Projection
+    post_ffw_norm: np.ndarray | None  # [n_embd] (gemma3)
+
+
+@dataclass(frozen=True)
+class Weights:
+    """All weights of a model, for every architecture in detinfer.arch."""
+
     token_embd: np.ndarray  # raw rows uint8 [n_vocab, row_bytes], memory-mapped: one row is dequantized per token
     token_embd_type: GGMLQuantizationType
-    layers: tuple[LlamaLayer, ...]
+    layers: tuple[Layer, ...]
     output_norm: np.ndarray
     output: QMatrix
 
     @classmethod
-    def load(cls, mf: ModelFile, cfg: ModelConfig) -> "LlamaWeights":
-        validate_tensors(mf, llama_tensor_shapes(cfg))
+    def load(cls, mf: ModelFile, cfg: ModelConfig) -> "Weights":
+        """Validate the tensors ``cfg``'s architecture expects, then repack them.
 
-        def norm(name: str) -> np.ndarray:
+        Raises GGUFError naming the first tensor that is missing, misshapen or of an unsupported type.
+        """
+        validate_tensors(mf, tensor_shapes(cfg))
+        arch = ARCHITECTURES[cfg.arch]
+
+        def vec(name: str) -> np.ndarray:
             return np.ascontiguousarray(mf.read_tensor(name).view(np.float32).reshape(-1))
 
-        layers = tuple(
-            LlamaLayer(
-                attn_norm=norm(f"blk.{i}.attn_norm.weight"),
-                attn_qkv=_matrix(mf, f"blk.{i}.attn_q.weight", f"blk.{i}.attn_k.weight", f"blk.{i}.attn_v.weight"),
-                attn_output=_matrix(mf, f"blk.{i}.attn_output.weight"),
-                ffn_norm=norm(f"blk.{i}.ffn_norm.weight"),
-                ffn_gate_up=_matrix(mf, f"blk.{i}.ffn_gate.weight", f"blk.{i}.ffn_up.weight"),
-                ffn_down=_matrix(mf, f"blk.{i}.ffn_down.weight"),
+        def layer(i: int) -> Layer:
+            p = f"blk.{i}."
+            return Layer(
+                attn_norm=vec(p + "attn_norm.weight"),
+                attn_qkv=Projection.load(mf, p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"),
+                attn_qkv_bias=np.concatenate([vec(p + f"attn_{n}.bias") for n in "qkv"]) if arch.qkv_bias else None,
+                attn_q_norm=vec(p + "attn_q_norm.weight") if arch.qk_norm else None,
+                attn_k_norm=vec(p + "attn_k_norm.weight") if arch.qk_norm else None,
+                attn_output=Projection.load(mf, p + "attn_output.weight"),
+                post_attention_norm=vec(p + "post_attention_norm.weight") if arch.post_norms else None,
+                ffn_norm=vec(p + "ffn_norm.weight"),
+                ffn_gate_up=Projection.load(mf, p + "ffn_gate.weight", p + "ffn_up.weight"),
+                ffn_down=Projection.load(mf, p + "ffn_down.weight"),
+                post_ffw_norm=vec(p + "post_ffw_norm.weight") if arch.post_norms else None,
             )
-            for i in range(cfg.n_layer)
-        )
+
         return cls(
             token_embd=mf.tensor_data("token_embd.weight"),
             token_embd_type=mf.tensor("token_embd.weight").ggml_type,
-            layers=layers,
-            output_norm=norm("output_norm.weight"),
+            layers=tuple(layer(i) for i in range(cfg.n_layer)),
+            output_norm=vec("output_norm.weight"),
             output=_matrix(mf, "token_embd.weight" if cfg.tied_embeddings else "output.weight"),
         )
 
     @property
     def nbytes(self) -> int:
         """Bytes held by repacked matrices (the memory-mapped embedding rows are not counted)."""
-        mats = [self.output] + [m for layer in self.layers for m in (layer.attn_qkv, layer.attn_output, layer.ffn_gate_up, layer.ffn_down)]
-        return sum(m.nbytes for m in mats)
+        projs = [p for layer in self.layers for p in (layer.attn_qkv, layer.attn_output, layer.ffn_gate_up, layer.ffn_down)]
+        return self.output.nbytes + sum(p.nbytes for p in projs)

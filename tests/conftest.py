@@ -15,6 +15,16 @@ SHARED = Path(os.environ.get("DETINFER_SHARED") or Path(__file__).resolve().pare
 REFERENCE_DIR = SHARED / "reference"
 
 
+GEMMA_MODEL = "gemma3-270m-q4_k_m"  # registry name of the gemma3 model the architecture tests run
+
+
+def _reference(filename: str) -> dict:
+    path = REFERENCE_DIR / filename
+    if not path.exists():
+        pytest.fail(f"reference file {path} is missing: the repo expects ../shared/reference beside it")
+    return json.loads(path.read_text())
+
+
 @pytest.fixture(scope="session")
 def model_path() -> Path:
     """Path of the default model's .gguf, pulled into $DETINFER_HOME if absent."""
@@ -22,9 +32,29 @@ def model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma_path() -> Path:
+    """Path of Gemma 3 270M (Q4_K_M), pulled into $DETINFER_HOME if absent."""
+    return ensure_model(GEMMA_MODEL)
+
+
+@pytest.fixture(scope="session")
 def smollm2_reference() -> dict:
     """llama.cpp's token ids, greedy continuations and top logits for SmolLM2 (see shared/reference)."""
-    path = REFERENCE_DIR / "smollm2-135m-instruct-q4_1.llamacpp.json"
-    if not path.exists():
-        pytest.fail(f"reference file {path} is missing: the repo expects ../shared/reference beside it")
-    return json.loads(path.read_text())
+    return _reference("smollm2-135m-instruct-q4_1.llamacpp.json")
+
+
+@pytest.fixture(scope="session")
+def gemma3_reference() -> dict:
+    """llama.cpp's token ids, greedy continuations and top logits for Gemma 3 270M (see shared/reference)."""
+    return _reference("gemma3-270m-q4_k_m.llamacpp.json")
+
+
+# The real models the engine is checked on: name -> (path fixture, llama.cpp reference fixture).
+REAL_MODELS = {"smollm2": ("model_path", "smollm2_reference"), "gemma3": ("gemma_path", "gemma3_reference")}
+
+
+@pytest.fixture(scope="module", params=sorted(REAL_MODELS))
+def real_model(request) -> tuple[str, Path, dict]:
+    """(name, .gguf path, llama.cpp reference) of each real model in turn: a test using it runs once per model."""
+    path_fixture, reference_fixture = REAL_MODELS[request.param]
+    return request.param, request.getfixturevalue(path_fixture), request.getfixturevalue(reference_fixture)

@@ -3,6 +3,8 @@
 The default is a llama model the engine can load and run: n_embd 64, 2 layers, 4 query heads over 2 KV heads
 (head_dim 16), n_ff 128, and a 299-token byte-level BPE vocabulary (3 control tokens, 256 byte tokens, 40
 merges learned from a fixed sentence). Weights are seeded random normals, so every call writes the same bytes.
+``architecture`` "qwen2", "qwen3" or "gemma3" adds that architecture's tensors (EXTRA_TENSORS) and metadata
+(see :data:`TINY_CONFIGS` for configs that exercise them).
 Keyword overrides break one thing at a time: architecture, tensor types, a dropped tensor, a wrong shape,
 dropped or extra metadata.
 """
@@ -84,12 +86,44 @@ class TinyConfig:
     n_ctx_train: int = 8192
     rope_freq_base: float = 10000.0
     rms_norm_eps: float = 1e-5
+    head_dim: int | None = None  # written as attention.key_length / value_length; None: n_embd // n_head, unwritten
+    sliding_window: int = 0  # written as attention.sliding_window when > 0
+
+    @property
+    def q_width(self) -> int:
+        return self.n_head * (self.head_dim or self.n_embd // self.n_head)
 
 
-def tensor_shapes(cfg: TinyConfig, n_vocab: int, *, tied: bool = True) -> dict[str, tuple[int, ...]]:
-    """Llama tensor names and numpy shapes (n_out, n_in) / (n,) for ``cfg``."""
-    head_dim = cfg.n_embd // cfg.n_head
+# Tensors beyond llama's, per architecture (gguf-py MODEL_TENSORS; llama.cpp src/models/<arch>.cpp):
+# per layer name -> "q" (q width), "kv" (kv width), "head" (head_dim) or "embd" (n_embd), all 1-D F32.
+EXTRA_TENSORS: dict[str, dict[str, str]] = {
+    "llama": {},
+    "qwen2": {"attn_q.bias": "q", "attn_k.bias": "kv", "attn_v.bias": "kv"},
+    "qwen3": {"attn_q_norm.weight": "head", "attn_k_norm.weight": "head"},
+    "gemma3": {
+        "attn_q_norm.weight": "head",
+        "attn_k_norm.weight": "head",
+        "post_attention_norm.weight": "embd",
+        "post_ffw_norm.weight": "embd",
+    },
+}
+
+# Tiny configs per architecture: gemma3 gets 7 layers (local 0-4, global 5, local 6 at pattern 6), head_dim 32
+# so that n_head * head_dim (128) differs from n_embd, one KV head, and a window of 5 positions.
+TINY_CONFIGS: dict[str, TinyConfig] = {
+    "llama": TinyConfig(),
+    "qwen2": TinyConfig(rope_freq_base=1e6, rms_norm_eps=1e-6),
+    "qwen3": TinyConfig(head_dim=32, rope_freq_base=1e6, rms_norm_eps=1e-6),
+    "gemma3": TinyConfig(n_layer=7, n_head_kv=1, head_dim=32, rope_freq_base=1e6, rms_norm_eps=1e-6, sliding_window=5),
+}
+
+
+def tensor_shapes(cfg: TinyConfig, n_vocab: int, *, tied: bool = True, architecture: str = "llama") -> dict[str, tuple[int, ...]]:
+    """Tensor names and numpy shapes (n_out, n_in) / (n,) of ``architecture`` for ``cfg`` (llama's for an
+    architecture not in EXTRA_TENSORS)."""
+    head_dim = cfg.head_dim or cfg.n_embd // cfg.n_head
     kv = cfg.n_head_kv * head_dim
+    widths = {"q": cfg.q_width, "kv": kv, "head": head_dim, "embd": cfg.n_embd}
     shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (n_vocab, cfg.n_embd), "output_norm.weight": (cfg.n_embd,)}
     if not tied:
         shapes["output.weight"] = (n_vocab, cfg.n_embd)
@@ -98,21 +132,24 @@ def tensor_shapes(cfg: TinyConfig, n_vocab: int, *, tied: bool = True) -> dict[s
         shapes.update(
             {
                 p + "attn_norm.weight": (cfg.n_embd,),
-                p + "attn_q.weight": (cfg.n_embd, cfg.n_embd),
+                p + "attn_q.weight": (cfg.q_width, cfg.n_embd),
                 p + "attn_k.weight": (kv, cfg.n_embd),
                 p + "attn_v.weight": (kv, cfg.n_embd),
-                p + "attn_output.weight": (cfg.n_embd, cfg.n_embd),
+                p + "attn_output.weight": (cfg.n_embd, cfg.q_width),
                 p + "ffn_norm.weight": (cfg.n_embd,),
                 p + "ffn_gate.weight": (cfg.n_ff, cfg.n_embd),
                 p + "ffn_up.weight": (cfg.n_ff, cfg.n_embd),
                 p + "ffn_down.weight": (cfg.n_embd, cfg.n_ff),
             }
         )
+        shapes.update({p + name: (widths[w],) for name, w in EXTRA_TENSORS.get(architecture, {}).items()})
     return shapes
 
 
 def _tensor_data(shape: tuple[int, ...], qtype: GGMLQuantizationType, rng: np.random.Generator, norm: bool) -> np.ndarray:
-    """Seeded weights of ``shape`` stored as ``qtype``: float arrays for F32/F16, uint8 block bytes otherwise."""
+    """Seeded weights of ``shape`` stored as ``qtype``: float arrays for F32/F16, uint8 block bytes otherwise.
+
+    ``norm``: values near 1 (norm weights); otherwise normals of std 0.2 (matrices and biases)."""
     w = (1.0 + 0.1 * rng.standard_normal(shape) if norm else 0.2 * rng.standard_normal(shape)).astype(np.float32)
     if qtype == GGMLQuantizationType.F32:
         return w
@@ -130,7 +167,7 @@ def write_tiny_gguf(
     path: str | Path,
     *,
     architecture: str = "llama",
-    config: TinyConfig = TinyConfig(),
+    config: TinyConfig | None = None,
     matrix_type: str = "F32",
     types: dict[str, str] | None = None,
     shapes: dict[str, tuple[int, ...]] | None = None,
@@ -144,6 +181,7 @@ def write_tiny_gguf(
 ) -> Path:
     """Write a tiny model to ``path`` and return it.
 
+    config: None for ``TINY_CONFIGS[architecture]`` (the llama default for other architectures).
     matrix_type: GGML type name of every 2-D tensor (norms stay F32); ``types`` overrides single tensors by name.
     shapes: numpy-order shapes replacing the correct ones for the named tensors.
     drop_tensors / drop_metadata: names left out of the file. extra_metadata: key -> (value, GGUFValueType).
@@ -153,7 +191,8 @@ def write_tiny_gguf(
     tokens, merges, token_types = bpe_vocab()
     rng = np.random.default_rng(seed)
     arch = architecture
-    head_dim = config.n_embd // config.n_head
+    config = config or TINY_CONFIGS.get(arch, TinyConfig())
+    head_dim = config.head_dim or config.n_embd // config.n_head
     metadata: dict[str, tuple[Any, GGUFValueType]] = {
         f"{arch}.context_length": (config.n_ctx_train, GGUFValueType.UINT32),
         f"{arch}.embedding_length": (config.n_embd, GGUFValueType.UINT32),
@@ -174,6 +213,11 @@ def write_tiny_gguf(
         "tokenizer.ggml.eos_token_id": (2, GGUFValueType.UINT32),
         "tokenizer.ggml.add_bos_token": (False, GGUFValueType.BOOL),
     }
+    if config.head_dim:
+        metadata[f"{arch}.attention.key_length"] = (config.head_dim, GGUFValueType.UINT32)
+        metadata[f"{arch}.attention.value_length"] = (config.head_dim, GGUFValueType.UINT32)
+    if config.sliding_window:
+        metadata[f"{arch}.attention.sliding_window"] = (config.sliding_window, GGUFValueType.UINT32)
     if chat_template is not None:
         metadata["tokenizer.chat_template"] = (chat_template, GGUFValueType.STRING)
     metadata.update(extra_metadata or {})
@@ -187,12 +231,13 @@ def write_tiny_gguf(
             writer.add_key_value(key, value, vtype, sub_type=sub)
         else:
             writer.add_key_value(key, value, vtype)
-    for name, shape in tensor_shapes(config, len(tokens), tied=tied).items():
+    for name, shape in tensor_shapes(config, len(tokens), tied=tied, architecture=arch).items():
+        vector = len(shape) == 1  # norms and biases stay F32, as converters write them
         shape = (shapes or {}).get(name, shape)
         if name in drop_tensors:
             continue
         norm = name.endswith("norm.weight")
-        type_name = (types or {}).get(name, "F32" if norm else matrix_type)
+        type_name = (types or {}).get(name, "F32" if vector else matrix_type)
         qtype = GGMLQuantizationType[type_name]
         data = _tensor_data(shape, qtype, rng, norm)
         writer.add_tensor(name, data, raw_dtype=None if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) else qtype)

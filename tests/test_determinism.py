@@ -1,4 +1,7 @@
-"""The determinism contract, checked by bytes: chunk sizes, decode vs prefill, threads, processes, KV types."""
+"""The determinism contract, checked by bytes: chunk sizes, decode vs prefill, prefix reuse, threads, processes,
+KV types; for every architecture's forward path: SmolLM2 (llama), Gemma 3 270M (gemma3), and a tiny gemma3 file
+whose 5-position sliding window the prompt crosses many times (the real model's 512-position window is longer
+than the prompt)."""
 
 from __future__ import annotations
 
@@ -11,15 +14,30 @@ import numba
 import numpy as np
 import pytest
 
+from gguf_factory import write_tiny_gguf
+
 from detinfer.engine import Engine
+from detinfer.prefix_cache import PrefixCache, prefill_with_reuse
 from detinfer.selftest import DEFAULT_TEXT, fingerprint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODELS = {"smollm2": "model_path", "gemma3": "gemma_path", "tiny-gemma3": "tiny_gemma_path"}
 
 
 @pytest.fixture(scope="module")
-def engine(model_path):
-    return Engine.load(model_path, n_ctx=512)
+def tiny_gemma_path(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "gemma3.gguf", architecture="gemma3", matrix_type="Q8_0")
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model_path_any(request):
+    """Each model in turn (one engine alive at a time: module-scoped fixtures are grouped by parameter)."""
+    return request.getfixturevalue(MODELS[request.param])
+
+
+@pytest.fixture(scope="module")
+def engine(model_path_any):
+    return Engine.load(model_path_any, n_ctx=512)
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +62,14 @@ def _first_diff(a: np.ndarray, b: np.ndarray) -> str:
 
 
 @pytest.mark.parametrize("kv_type", ["f32", "f16"])
-def test_chunk_sizes_give_identical_bytes(model_path, engine, tokens, kv_type):
-    eng = engine if kv_type == "f32" else Engine.load(model_path, n_ctx=512, kv_type=kv_type)
-    base, base_cache = _all_logits(eng, tokens, len(tokens))
-    for chunk in (1, 7, 64):
-        logits, cache = _all_logits(eng, tokens, chunk)
+@pytest.mark.parametrize("length", ["multiple_of_4", "odd"])
+def test_chunk_sizes_give_identical_bytes(model_path_any, engine, tokens, kv_type, length):
+    """Prompt lengths a multiple of 4 and not, so that kernels blocking tokens in 2s or 4s meet every remainder."""
+    prompt = tokens[: len(tokens) // 4 * 4 - (1 if length == "odd" else 0)]
+    eng = engine if kv_type == "f32" else Engine.load(model_path_any, n_ctx=512, kv_type=kv_type)
+    base, base_cache = _all_logits(eng, prompt, len(prompt))
+    for chunk in (1, 3, 7, 64):
+        logits, cache = _all_logits(eng, prompt, chunk)
         assert np.array_equal(logits.view(np.uint32), base.view(np.uint32)), f"chunk {chunk}: {_first_diff(logits, base)}"
         assert cache.digest() == base_cache.digest(), f"chunk {chunk}: KV bytes differ"
         for layer in range(eng.config.n_layer):
@@ -64,6 +85,20 @@ def test_decode_equals_prefill_and_prefix_continuation(engine, tokens):
     parts += [engine.forward([t], cache, all_logits=True) for t in tokens[split:]]
     stitched = np.concatenate(parts)
     assert np.array_equal(stitched.view(np.uint32), whole.view(np.uint32)), _first_diff(stitched, whole)
+    assert cache.digest() == whole_cache.digest()
+
+
+def test_prefix_reuse_is_exact(engine, tokens):
+    """A prompt sharing 50 tokens with a stored one reuses them and gives the bytes of a fresh prefill."""
+    whole, whole_cache = _all_logits(engine, tokens, 64)
+    store = PrefixCache(max_bytes=1 << 30)
+    other = engine.new_cache()
+    engine.forward(tokens[:50] + [17, 18, 19], other)
+    assert store.store(other)
+    cache = engine.new_cache()
+    last, n_reused = prefill_with_reuse(engine, tokens, store, cache, chunk_size=7)
+    assert n_reused == 50
+    assert np.array_equal(last.view(np.uint32), whole[-1].view(np.uint32)), _first_diff(last[None], whole[-1:])
     assert cache.digest() == whole_cache.digest()
 
 
@@ -100,9 +135,9 @@ def _probe(model_path, *, threads: int, extra_env: dict | None = None) -> dict:
     return json.loads(proc.stdout)
 
 
-def test_threads_1_vs_2_in_separate_processes(model_path, engine, tokens):
-    one = _probe(model_path, threads=1)
-    two = _probe(model_path, threads=2)
+def test_threads_1_vs_2_in_separate_processes(model_path_any, engine, tokens):
+    one = _probe(model_path_any, threads=1)
+    two = _probe(model_path_any, threads=2)
     assert one == two
     # and both equal this process's own run: processes do not change bytes either
     assert one == fingerprint(engine, tokens, chunk_size=64)
