@@ -62,7 +62,7 @@ CASES = (
     Case("f16_kv", "The capital of France is", kv_type="f16"),
     Case("gemma3_plain_greedy", "The capital of France is", model=GEMMA3),
     Case("gemma3_chat_greedy", "Give me three tips for staying healthy.", chat=True, chat_template="gemma", max_tokens=48, model=GEMMA3),
-    Case("gemma3_seeded_sampling", "Write a short poem about the sea.", sampling={"temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": 1234}, max_tokens=40, model=GEMMA3),
+    Case("gemma3_seeded_sampling", "Once upon a time, in a small village at the edge of a great forest, there lived a", sampling={"temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": 1234}, max_tokens=40, model=GEMMA3),
     Case("gemma3_long_prompt", LONG_TEXT, max_tokens=16, model=GEMMA3),  # longer than the 512-token sliding window
     Case("gemma3_unicode_emoji", "Traduis en français : I love 🍕 and ☕ — 日本語も少し。 Emoji: 🎉👍", max_tokens=24, model=GEMMA3),
 )
