@@ -115,6 +115,9 @@ def info(
     table.add_row("tensor types", ", ".join(f"{k}: {v}" for k, v in mf.type_counts().items()))
     for field in ("arch", "n_vocab", "n_ctx_train", "n_embd", "n_layer", "n_head", "n_head_kv", "head_dim", "n_ff", "rope_freq_base", "rms_norm_eps", "tied_embeddings"):
         table.add_row(field, str(getattr(cfg, field)))
+    if cfg.sliding_window:
+        local = [str(i) for i, swa in enumerate(cfg.swa_layers) if not swa]
+        table.add_row("sliding_window", f"{cfg.sliding_window} (local layers: rope_freq_base {cfg.rope_freq_base_swa}; global: {', '.join(local)})")
     out.print(table)
     kv = Table("kv type", "bytes / position", f"bytes at n_ctx={ctx}", title="KV cache = n_layer × positions × 2 × kv_width × bytes_per_number")
     for kv_type in KV_TYPES:
