@@ -532,19 +532,23 @@ def serve(
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="DETINFER_API_KEY", show_envvar=True,
                                                    help="Require Authorization: Bearer KEY on every request.")] = None,
     send_timeout: Annotated[float, typer.Option("--send-timeout", min=0.1, help="Drop a streaming client that reads nothing for this many seconds.")] = 30.0,
+    chat_template: ChatTemplateOpt = None,
 ) -> None:
     """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
     import uvicorn
 
+    from .chat import ChatTemplate
     from .engine import Engine, set_threads
     from .server import ServerSettings, create_app
 
     try:
         set_threads(threads)  # validate here; the decode worker sets it again on its own thread
+        template = ChatTemplate.from_option(chat_template) if chat_template is not None else None
         engine = Engine.load(model, n_ctx=ctx, kv_type=kv_type)
         _compile_kernels(engine)
         settings = ServerSettings(max_queue=max_queue, max_inflight=max_inflight, threads=threads, cache_bytes=cache_bytes,
-                                  record_dir=record_dir, api_key=api_key or None, send_timeout=send_timeout)
+                                  record_dir=record_dir, api_key=api_key or None, send_timeout=send_timeout,
+                                  chat_template=template)
         app_ = create_app(engine, settings)
     except DetinferError as e:
         _fail(e)

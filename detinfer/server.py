@@ -44,6 +44,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import __version__
+from .chat import ChatTemplate
 from .engine import Engine, set_threads
 from .errors import DetinferError
 from .generate import DIGEST_SEED, GenerationResult, Step, check_prompt, generate
@@ -68,6 +69,7 @@ class ServerSettings:
     api_key: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
     send_timeout: float = 30.0  # seconds one SSE write may wait for a client that does not read
+    chat_template: ChatTemplate | None = None  # --chat-template: used instead of the model's own (recorded)
 
 
 
@@ -238,8 +240,8 @@ class Recorder:
 
     MAX_OPEN = 256  # sessions remembered for matching
 
-    def __init__(self, directory: Path, engine: Engine):
-        self.dir, self.engine = Path(directory), engine
+    def __init__(self, directory: Path, engine: Engine, template: ChatTemplate | None = None):
+        self.dir, self.engine, self.template = Path(directory), engine, template
         self.dir.mkdir(parents=True, exist_ok=True)
         taken = [int(p.stem.split("-")[1]) for p in self.dir.glob("session-*.json") if p.stem.split("-")[1].isdigit()]
         self.next_id = max(taken, default=0) + 1
@@ -273,7 +275,7 @@ class Recorder:
         sess.turns.append(turn)
         sess.history = prompt + res.tokens
         sess.n_messages = len(messages) + 1
-        write_session(new_record(self.engine, sess.turns), sess.path)
+        write_session(new_record(self.engine, sess.turns, self.template), sess.path)
         return sess.path
 
 
@@ -284,7 +286,7 @@ class Worker:
         self.engine, self.settings = engine, settings
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.prefix = PrefixCache(settings.cache_bytes)
-        self.recorder = Recorder(settings.record_dir, engine) if settings.record_dir is not None else None
+        self.recorder = Recorder(settings.record_dir, engine, settings.chat_template) if settings.record_dir is not None else None
         self.thread = threading.Thread(target=self._loop, name="detinfer-decode", daemon=True)
 
     def start(self) -> None:
@@ -365,9 +367,10 @@ class Server:
 
     # preparation (runs in a thread) ---------------------------------------------------------
     def prepare_chat(self, req: ChatRequest) -> tuple[list[int], list[dict]]:
-        tok, tpl = self.engine.tokenizer, self.engine.chat_template
+        tok, tpl = self.engine.tokenizer, self.settings.chat_template or self.engine.chat_template
         if tpl is None:
-            raise ApiError(400, f"{self.model_id} has no chat template; use /v1/completions", param="messages")
+            raise ApiError(400, f"{self.model_id} has no chat template; use /v1/completions, or start the server with "
+                                "--chat-template", param="messages")  # fmt: skip
         messages = []
         for i, m in enumerate(req.messages):
             content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
@@ -383,7 +386,7 @@ class Server:
         bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
         eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
         rendered = tpl.render(messages, add_generation_prompt=True, bos_token=bos, eos_token=eos, tools=req.tools)
-        return tok.encode(rendered, add_bos=False, parse_special=True), messages
+        return tok.encode(rendered, add_bos=tpl.add_bos, parse_special=True), messages
 
     def prepare_completion(self, req: CompletionRequest) -> list[int]:
         p = req.prompt

@@ -426,3 +426,35 @@ def test_clients_that_never_read_are_dropped(engine, tmp_path):
     assert any("Name a fruit." in m.content for r in records for m in r.turns[0].messages)
     for r in records:
         assert all(not diffs for _, diffs, _ in replay_turns(engine, r))
+
+
+def test_chat_template_option_for_a_model_without_one(gemma_path, tmp_path):
+    """Gemma 3 has no chat template: chat requests are a 400 naming --chat-template, unless the server was started
+    with one; then the reply equals `detinfer run` with the same template, and the recording keeps it for replay."""
+    from detinfer.chat import ChatTemplate
+    from detinfer.run import build_prompt, execute, sampling_record
+    from detinfer.sampler import SamplingParams
+
+    engine = Engine.load(gemma_path, n_ctx=256)
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    running = _Running(create_app(engine, ServerSettings(threads=1)))
+    try:
+        c = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        with pytest.raises(openai.BadRequestError) as info:
+            c.chat.completions.create(model="x", messages=messages, max_tokens=4)
+        assert "--chat-template" in info.value.response.json()["error"]["message"]
+    finally:
+        running.stop()
+    gemma = ChatTemplate.from_option("gemma")
+    running = _Running(create_app(engine, ServerSettings(threads=1, chat_template=gemma, record_dir=tmp_path)))
+    try:
+        c = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        r = c.chat.completions.create(model="x", messages=messages, max_tokens=8, temperature=0)
+    finally:
+        running.stop()
+    ref = execute(engine, build_prompt(engine, messages=messages, chat=True, template=gemma),
+                  sampling_record(SamplingParams.create(temperature=0.0), max_tokens=8), template=gemma)
+    assert r.usage.prompt_tokens == len(ref.prompt.token_ids) and r.choices[0].message.content == ref.output.text
+    record = load_session(next(tmp_path.glob("session-*.json")))
+    assert record.chat_template.name == "gemma"
+    assert all(not diffs for _, diffs, _ in replay_turns(engine, record))
