@@ -403,13 +403,15 @@ def test_selftest_matrix_in_process(engine: Engine, model_path: Path):
 
 
 @pytest.mark.slow
-def test_compile_target_generic_vs_host(model_path: Path):
-    # cold-compiles every kernel twice, once per fresh numba cache: 85-130 s on 2 shared cores
+def test_compile_target_generic_vs_host(model_path: Path, gemma_path: Path):
+    # cold-compiles every kernel twice, once per fresh numba cache (the two models share each cache): ~2-3 min on
+    # 2 shared cores
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as generic_cache, tempfile.TemporaryDirectory() as host_cache:
-        generic = probe_process(str(model_path), text=STORY, env={"NUMBA_CPU_NAME": "generic", "NUMBA_CPU_FEATURES": "", "NUMBA_CACHE_DIR": generic_cache})
-        assert any(Path(generic_cache).rglob("*.nbi")), "the generic probe did not compile into its own cache"
-        host = probe_process(str(model_path), text=STORY, env={"NUMBA_CACHE_DIR": host_cache})
+        for path in (model_path, gemma_path):
+            generic = probe_process(str(path), text=STORY, env={"NUMBA_CPU_NAME": "generic", "NUMBA_CPU_FEATURES": "", "NUMBA_CACHE_DIR": generic_cache})
+            assert any(Path(generic_cache).rglob("*.nbi")), "the generic probe did not compile into its own cache"
+            host = probe_process(str(path), text=STORY, env={"NUMBA_CACHE_DIR": host_cache})
+            assert len(generic["generated"]) == 8
+            assert generic == host, path.name
     print(f"compile targets: {time.perf_counter() - t0:.0f} s")
-    assert len(generic["generated"]) == 8
-    assert generic == host
