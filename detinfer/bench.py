@@ -406,6 +406,7 @@ def start_times(model: str, runs: int, warn: Callable[[str], None]) -> StartTime
 def session_figures(model: str, threads: int, runs: int) -> SessionFigures:
     """The 20-turn scripted session (tests/data/agent20.json) with prefix reuse vs recomputing every prefix, and
     KV snapshot save/load of 1,000 tokens; each ``runs`` times."""
+    from .chat import ChatTemplate
     from .engine import Engine, set_threads
     from .kvfile import load_kv, save_kv
     from .prefix_cache import PrefixCache
@@ -414,11 +415,13 @@ def session_figures(model: str, threads: int, runs: int) -> SessionFigures:
     set_threads(threads)
     script = load_script(Path(__file__).resolve().parent.parent / "tests" / "data" / "agent20.json")
     engine = Engine.load(model, n_ctx=2048)
+    # a model without a chat template (Gemma 3 base) runs the session in its family's built-in format
+    template = None if engine.chat_template else ChatTemplate.from_option("gemma" if engine.config.arch == "gemma3" else "chatml")
     warm_up(engine)
     reuse, naive, save_ms, load_ms = [], [], [], []
     for _ in range(runs):
         t0 = time.perf_counter()
-        record = run_session(engine, script.turns, script.sampling, prefix_cache=PrefixCache(1 << 30))
+        record = run_session(engine, script.turns, script.sampling, prefix_cache=PrefixCache(1 << 30), template=template)
         reuse.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         replayed = replay_turns(engine, record, use_cache=False)

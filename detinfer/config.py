@@ -127,8 +127,8 @@ class ModelConfig:
         for name in ("n_vocab", "n_ctx_train", "n_layer", "n_ff"):
             if getattr(cfg, name) <= 0:
                 raise ConfigError(f"{mf.path.name}: {name} must be positive, got {getattr(cfg, name)}")
-        if spec.swa_pattern and cfg.sliding_window <= 0:
-            raise ConfigError(f"{mf.path.name}: attention.sliding_window must be positive, got {cfg.sliding_window}")
+        if spec.swa_pattern and not 0 < cfg.sliding_window < 2**31:  # positions are compared as int64 in the kernels
+            raise ConfigError(f"{mf.path.name}: attention.sliding_window must be between 1 and {2**31 - 1}, got {cfg.sliding_window}")
         if cfg.rope_freq_base <= 0 or cfg.rms_norm_eps < 0:
             raise ConfigError(
                 f"{mf.path.name}: rope.freq_base {cfg.rope_freq_base} must be > 0 and layer_norm_rms_epsilon "

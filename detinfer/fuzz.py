@@ -78,8 +78,9 @@ class Corpus:
 
 
 def gguf_variants(folder: Path) -> dict[str, Path]:
-    """Structurally different tiny models: valid ones (several tensor types), and ones whose metadata or shapes
-    are wrong for the llama architecture (types changed, huge or zero values, wrong alignment, wrong dims)."""
+    """Structurally different tiny models: valid ones (several tensor types; llama, qwen2, qwen3 and gemma3), and
+    ones whose metadata or shapes are wrong for their architecture (types changed, huge or zero values, wrong
+    alignment, wrong dims, a missing bias, norm or sliding window)."""
     f = _factory()
     from gguf import GGUFValueType as V
 
@@ -96,6 +97,17 @@ def gguf_variants(folder: Path) -> dict[str, Path]:
     w("valid-q8_0-untied", matrix_type="Q8_0", tied=False)
     w("valid-mixed", matrix_type="Q4_0", types={"token_embd.weight": "F16", "blk.0.ffn_down.weight": "Q8_0"})
     w("unsupported-type", matrix_type="Q4_1", types={"blk.0.attn_q.weight": "IQ4_NL"})
+    # other architectures with their own tiny configs; k-quant rows need n_in % 256 == 0 (zero-filled blocks)
+    w("valid-qwen2", architecture="qwen2", config=None, matrix_type="Q8_0")
+    w("valid-qwen3", architecture="qwen3", config=None, matrix_type="Q5_0")
+    w("valid-gemma3", architecture="gemma3", config=None, matrix_type="Q5_1")
+    w("valid-kquants", config=f.TinyConfig(n_embd=256, n_layer=1, n_head=4, n_head_kv=2, n_ff=256), matrix_type="Q4_K",
+      types={"blk.0.ffn_down.weight": "Q6_K", "blk.0.attn_v.weight": "Q5_K", "token_embd.weight": "Q6_K"})
+    w("qwen2-bias-missing", architecture="qwen2", config=None, drop_tensors=("blk.0.attn_k.bias",))
+    w("qwen3-norm-wrong", architecture="qwen3", config=None, shapes={"blk.1.attn_q_norm.weight": (16,)})
+    w("gemma3-window-missing", architecture="gemma3", config=None, drop_metadata=("gemma3.attention.sliding_window",))
+    w("gemma3-window-huge", architecture="gemma3", config=None, extra_metadata={"gemma3.attention.sliding_window": (2**63, V.UINT64)})
+    w("gemma3-softcap", architecture="gemma3", config=None, extra_metadata={"gemma3.final_logit_softcapping": (30.0, V.FLOAT32)})
     w("head-count-as-string", extra_metadata={"llama.attention.head_count": ("4", V.STRING)})
     w("embd-as-float", extra_metadata={"llama.embedding_length": (64.5, V.FLOAT32)})
     w("block-count-array", extra_metadata={"llama.block_count": ([1, 2], V.ARRAY)})

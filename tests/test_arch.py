@@ -177,11 +177,10 @@ def test_unknown_architecture_is_an_error_naming_it(tmp_path):
         ModelConfig.from_model(ModelFile(path))
 
 
-def test_sliding_window_must_be_positive(tmp_path):
-    path = write_tiny_gguf(
-        tmp_path / "g.gguf", architecture="gemma3", extra_metadata={"gemma3.attention.sliding_window": (0, GGUFValueType.UINT32)}
-    )
-    with pytest.raises(ConfigError, match="sliding_window"):
+@pytest.mark.parametrize("window, vtype", [(0, GGUFValueType.UINT32), (2**63, GGUFValueType.UINT64)])
+def test_sliding_window_must_be_positive_and_fit_the_kernels(tmp_path, window, vtype):
+    path = write_tiny_gguf(tmp_path / "g.gguf", architecture="gemma3", extra_metadata={"gemma3.attention.sliding_window": (window, vtype)})
+    with pytest.raises(ConfigError, match=f"sliding_window must be between 1 and 2147483647, got {window}"):
         ModelConfig.from_model(ModelFile(path))
 
 
