@@ -172,7 +172,6 @@ def test_kv_curve_is_added_to_existing_results(tmp_path):
 
 
 def test_plot_is_written_atomically(tmp_path, monkeypatch):
-    pytest.importorskip("matplotlib")
     import detinfer.fileio
 
     path = tmp_path / "kv.png"
