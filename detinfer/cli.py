@@ -51,7 +51,7 @@ def _compile_kernels(engine) -> None:
 
     from .bench import PROGRESS_MARK, warm_up
 
-    message = f"{PROGRESS_MARK} (first run only, up to ~30 s; cached afterwards)…"
+    message = f"{PROGRESS_MARK} or loading them from the cache (a first run compiles for up to ~1 min)…"
     if err.is_terminal:
         with err.status(message):
             warm_up(engine)
@@ -172,6 +172,7 @@ def run(
 ) -> None:
     """Generate text and record a run manifest; or re-execute one with --manifest."""
     from .engine import Engine, set_threads
+    from .generate import check_prompt
     from .kvcache import parse_kv_type
     from .manifest import load_manifest, write_manifest
     from .run import build_prompt, engine_for_manifest, execute, reexecute, sampling_record
@@ -224,8 +225,9 @@ def run(
         )
         sampling = sampling_record(params, max_tokens=max_tokens, stop=stop or [], ignore_eos=ignore_eos)
         engine = Engine.load(model, n_ctx=ctx, kv_type=kv_type)
-        _compile_kernels(engine)
         prompt_record = build_prompt(engine, text=text, messages=msgs, chat=chat, template=template)
+        check_prompt(engine, prompt_record.token_ids)  # before warming up: a bad prompt should fail fast
+        _compile_kernels(engine)
         if not quiet:
             err.print(f"[dim]{escape(engine.model_file.path.name)}: {len(prompt_record.token_ids)} prompt tokens[/]")
         result = execute(engine, prompt_record, sampling, chunk_size=chunk_size, on_step=stream, template=template)
@@ -282,7 +284,8 @@ def verify(
     for r in results:
         if r.status == MATCH:
             continue
-        out.print(f"[bold]{escape(r.path)}[/]: {escape(r.message)}", soft_wrap=True)
+        message = r.message.removeprefix(f"{r.path}: ")  # load errors name the file already
+        out.print(f"[bold]{escape(r.path)}[/]: {escape(message)}", soft_wrap=True)
         for d in r.differences:
             out.print(f"  {d['field']}: expected {escape(d['expected'])} got {escape(d['actual'])}", soft_wrap=True)
         if (dv := r.divergence) is not None:
