@@ -102,6 +102,10 @@ class ModelConfig:
         if head_dim <= 0 or head_dim % 2:
             raise ConfigError(f"{mf.path.name}: head_dim {head_dim} must be even for RoPE")
         n_layer = key("block_count")
+        # Bound it by the file before anything is sized by it (the tensor table, per-layer tuples, the KV cache).
+        n_blocks = 1 + max((int(b) for b in (t.split(".")[1] for t in mf.tensors if t.startswith("blk.")) if b.isdigit()), default=-1)
+        if n_layer > n_blocks:
+            raise ConfigError(f"{mf.path.name}: block_count is {n_layer} but the file has tensors for {n_blocks} block(s)")
         rope_freq_base = key("rope.freq_base", 10000.0, float)
         # llama.cpp reads the window only for architectures with a sliding-window pattern; it is required there.
         p = spec.swa_pattern

@@ -651,7 +651,8 @@ TARGETS = {
 # ------------------------------------------------------------------------------------------ runner
 
 
-def run_target(target: Target, corpus: Corpus, examples: int, seed: int, on_result: Callable[[Any, str, str], None]) -> None:
+def run_target(target: Target, corpus: Corpus, examples: int, seed: int, on_result: Callable[[Any, str, str], None],
+               on_start: Callable[[Any], None] = lambda case: None) -> None:
     """Run ``examples`` hypothesis examples of ``target`` (no shrinking: every outcome is counted, none raised)."""
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hseed
@@ -663,6 +664,7 @@ def run_target(target: Target, corpus: Corpus, examples: int, seed: int, on_resu
               suppress_health_check=list(HealthCheck))  # fmt: skip
     @given(target.strategy(corpus))
     def run(case) -> None:
+        on_start(case)
         on_result(case, *classify(lambda: target.check(corpus, case, scratch)))
 
     run()
@@ -675,7 +677,10 @@ def _worker(args: argparse.Namespace) -> None:
     def report(case, outcome, detail) -> None:
         print(json.dumps({"outcome": outcome, "detail": detail, "case": repr(case)[:400]}), flush=True)
 
-    run_target(TARGETS[args.worker], corpus, args.examples, args.seed, report)
+    def start(case) -> None:  # so a crash can name the input that caused it
+        print(json.dumps({"start": repr(case)[:400]}), flush=True)
+
+    run_target(TARGETS[args.worker], corpus, args.examples, args.seed, report, start)
 
 
 def _run_in_worker(name: str, examples: int, seed: int, workdir: Path, log: Callable[[str], None]) -> dict:
@@ -691,8 +696,12 @@ def _run_in_worker(name: str, examples: int, seed: int, workdir: Path, log: Call
                "--seed", str(seed + attempt), "--workdir", str(workdir / name)]  # fmt: skip
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         got = 0
+        in_flight = "(unknown)"
         for line in proc.stdout:
             rec = json.loads(line)
+            if "start" in rec:
+                in_flight = rec["start"]
+                continue
             counts[rec["outcome"]] += 1
             got += 1
             if rec["outcome"] not in (OK, REJECTED) and len(failures) < 20:
@@ -704,9 +713,9 @@ def _run_in_worker(name: str, examples: int, seed: int, workdir: Path, log: Call
         if proc.returncode != 0:
             if got == 0 and proc.returncode > 0:
                 raise RuntimeError(f"fuzz worker for {name} failed to start:\n{stderr[-2000:]}")
-            counts[CRASH] += 1  # the example after the last reported one killed the process
+            counts[CRASH] += 1  # the example in flight killed the process
             done += 1
-            failures.append({"outcome": CRASH, "detail": f"exit status {proc.returncode}: {stderr.strip()[-300:]}", "case": "(next example)"})
+            failures.append({"outcome": CRASH, "detail": f"exit status {proc.returncode}: {stderr.strip()[-300:]}", "case": in_flight})
         elif got == 0:
             break  # hypothesis ran out of distinct examples
     seconds = time.perf_counter() - t0

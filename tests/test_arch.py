@@ -203,3 +203,11 @@ def test_logit_softcapping_is_refused_not_ignored(tmp_path):
     )
     with pytest.raises(ConfigError, match=r"gemma3\.final_logit_softcapping"):
         ModelConfig.from_model(ModelFile(path))
+
+
+def test_block_count_beyond_the_files_blocks_is_refused_before_sizing_anything(tmp_path):
+    """A corrupt block_count must not size the tensor table, per-layer tuples or the KV cache: it is checked against
+    the blocks the file has tensors for, first."""
+    path = write_tiny_gguf(tmp_path / "m.gguf", extra_metadata={"llama.block_count": (2_000_000, GGUFValueType.UINT32)})
+    with pytest.raises(ConfigError, match="block_count is 2000000 but the file has tensors for 2 block"):
+        ModelConfig.from_model(ModelFile(path))
