@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
@@ -88,10 +89,40 @@ def _tensor_nbytes(ggml_type: GGMLQuantizationType, ne: tuple[int, ...]) -> int:
     return n // block_size * type_size
 
 
-def _parse(path: Path) -> dict[str, Any]:
-    """Parse ``path`` with the gguf reader into a JSON-able index: metadata and tensor table."""
+@contextmanager
+def _memory_cap(extra: int) -> Iterator[None]:
+    """Cap this process's address space at its current size + ``extra`` bytes for the duration (Linux).
+
+    The gguf reader sizes Python lists from counts stored in the file; a corrupt count makes it allocate until
+    the kernel kills the process. Under the cap the allocation fails with MemoryError instead.
+    """
     try:
-        reader = _PlainReader(path)
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        vm = int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (ImportError, OSError, ValueError):
+        yield
+        return
+    cap = vm + extra
+    if soft != resource.RLIM_INFINITY and soft <= cap:
+        yield
+        return
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def _parse(path: Path) -> dict[str, Any]:
+    """Parse ``path`` with the gguf reader into a JSON-able index: metadata and tensor table.
+
+    The parse may use at most 2 GiB + 8x the file size of new address space (see :func:`_memory_cap`).
+    """
+    try:
+        with _memory_cap((2 << 30) + 8 * path.stat().st_size):
+            reader = _PlainReader(path)
     except Exception as e:  # the reader raises ValueError, IndexError, OverflowError... on malformed input
         detail = " ".join(str(e).split())  # one line, whatever the reader's message holds
         raise GGUFError(

@@ -158,3 +158,10 @@ print(",".join(str(s.token) for s in steps), steps[-1].stop_reason)
         print(f"{mode}: {time.perf_counter() - t0:.1f} s")
     assert outputs["checked"] == outputs["unchecked"]
     assert outputs["checked"].endswith("length") or outputs["checked"].split()[-1] in ("eos", "max_tokens")
+
+
+def test_corrupt_count_that_would_exhaust_memory_is_a_gguf_error(corpus: fuzz.Corpus) -> None:
+    """The input `make fuzz` found: one flipped bit in the tokenizer metadata makes gguf's reader allocate without
+    bound (the worker was killed for memory); the parse runs under an address-space cap, so it is a GGUFError."""
+    outcome, detail = fuzz.classify(lambda: fuzz.check_gguf(corpus, ("valid-q4_1", (("flip", 3653, 2),)), corpus.folder / "oom.gguf"))
+    assert outcome == fuzz.REJECTED and "MemoryError" in detail, detail
