@@ -233,15 +233,16 @@ class ModelFile:
         n_rows = int(np.prod(info.ne[1:], dtype=np.int64)) if len(info.ne) > 1 else 1
         return raw.view(np.ndarray).reshape(n_rows, info.nbytes // n_rows)
 
-    def read_tensor(self, name: str) -> np.ndarray:
-        """A private copy of tensor ``name``'s bytes, uint8 (n_rows, row_bytes), read from the file.
+    def read_tensor(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """A private copy of rows ``start:stop`` (default all) of tensor ``name``, uint8 (n_rows, row_bytes),
+        read from the file.
 
         Used for weights that are repacked at load: reading (not mapping) keeps the file's pages out of the
         process's resident set once the repacked copy exists.
         """
-        view = self.tensor_data(name)
+        view = self.tensor_data(name)[start:stop]
         with open(self.path, "rb") as f:
-            f.seek(self.tensor(name).offset)
+            f.seek(self.tensor(name).offset + start * view.shape[1])
             data = np.fromfile(f, dtype=np.uint8, count=view.size)
         if data.size != view.size:
             raise GGUFError(f"{self.path.name}: tensor {name!r} is cut short; the file is truncated, re-download it")

@@ -22,6 +22,7 @@ from .quants import F16_TO_F32, dequantize, unpack_rows
 
 Q = GGMLQuantizationType
 R = kernels.ROWS
+SLICE_ROWS = 256 * R  # rows repacked at a time (a multiple of ROWS, so slices fill whole row groups)
 
 
 def _groups(a: np.ndarray) -> np.ndarray:
@@ -180,8 +181,21 @@ def _matrix(mf: ModelFile, *names: str) -> QMatrix:
     infos = [mf.tensor(n) for n in names]
     if len({i.ggml_type for i in infos}) > 1:
         raise GGUFError(f"{mf.path.name}: tensors {', '.join(names)} must share one type to be fused")
-    raw = np.concatenate([mf.read_tensor(n) for n in names]) if len(names) > 1 else mf.read_tensor(names[0])
-    return QMatrix.from_raw("+".join(names), infos[0].ggml_type, raw, infos[0].shape[1])
+    ggml_type, n_in = infos[0].ggml_type, infos[0].shape[1]
+    if len(names) > 1:
+        return QMatrix.from_raw("+".join(names), ggml_type, np.concatenate([mf.read_tensor(n) for n in names]), n_in)
+    # One tensor is repacked SLICE_ROWS rows at a time into arrays allocated once, so loading a large matrix
+    # (Gemma 3's tied 262144-row output) holds the repacked copy plus one slice, never a second whole copy.
+    n_out, arrays, kind = infos[0].shape[0], None, ""
+    for start in range(0, n_out, SLICE_ROWS):
+        part = QMatrix.from_raw(names[0], ggml_type, mf.read_tensor(names[0], start, start + SLICE_ROWS), n_in)
+        if arrays is None:
+            G, kind = -(-n_out // R), part.kind
+            arrays = tuple(None if a is None else np.empty((G,) + a.shape[1:], a.dtype) for a in part.arrays)
+        for whole, a in zip(arrays, part.arrays):
+            if a is not None:
+                whole[start // R : start // R + a.shape[0]] = a
+    return QMatrix(names[0], ggml_type, n_out, n_in, kind, arrays)
 
 
 @dataclass(frozen=True)

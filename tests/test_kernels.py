@@ -20,11 +20,12 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 
-from detinfer import kernels
-from detinfer.gguf_file import SUPPORTED_TYPES
+from detinfer import kernels, weights
+from detinfer.gguf_file import SUPPORTED_TYPES, ModelFile
 from detinfer.quants import F16_TO_F32
 from detinfer.weights import QMatrix
 
+from gguf_factory import write_tiny_gguf
 from test_quants import BLOCK_DTYPES, K_QUANTS
 
 U = 2.0**-24  # unit roundoff of float32
@@ -597,3 +598,18 @@ def test_attention_same_bytes_at_one_and_two_threads(kv_type, restore_threads):
     numba.set_num_threads(2)
     two = run_attention(q, kc, vc, lut, 15)
     assert_bytes_equal(two, one, f"attention {kv_type}: 2 threads vs 1")
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "F16"])  # the types the tiny-model writer fills with data
+def test_matrix_repacked_in_slices_equals_one_repacked_whole(tmp_path, monkeypatch, qtype: str) -> None:
+    """Weights repack a tensor SLICE_ROWS rows at a time into arrays allocated once; with slices of one row group
+    (299 rows: 4 whole groups and a partial one) every array equals the whole tensor repacked at once."""
+    mf = ModelFile(write_tiny_gguf(tmp_path / "m.gguf", matrix_type=qtype), use_index=False)
+    monkeypatch.setattr(weights, "SLICE_ROWS", kernels.ROWS)
+    name = "token_embd.weight"
+    info = mf.tensor(name)
+    sliced = weights._matrix(mf, name)
+    whole = QMatrix.from_raw(name, info.ggml_type, mf.read_tensor(name), info.shape[1])
+    assert info.shape[0] == 299 and (sliced.kind, sliced.n_out) == (whole.kind, whole.n_out)
+    for a, b in zip(sliced.arrays, whole.arrays, strict=True):
+        assert (a is None and b is None) or (a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes())
