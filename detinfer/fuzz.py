@@ -405,10 +405,11 @@ def apply_json_ops(base: dict, case, reseal: Callable[[dict], dict] | None) -> b
         try:
             for p in path[:-1]:
                 parent = parent[p]
+            key = str(path[-1]) if isinstance(parent, dict) else path[-1]  # JSON object keys are strings
             if kind == "set":
-                parent[path[-1]] = value
+                parent[key] = value
             elif kind == "delete":
-                del parent[path[-1]]
+                del parent[key]
             elif isinstance(parent, dict):
                 parent[f"extra_{len(parent)}"] = value
             elif isinstance(parent, list):

@@ -8,6 +8,7 @@ forward + generation with numba bounds checking on.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -165,3 +166,10 @@ def test_corrupt_count_that_would_exhaust_memory_is_a_gguf_error(corpus: fuzz.Co
     bound (the worker was killed for memory); the reader's reads are bounded by the file and a budget, so it is a GGUFError."""
     outcome, detail = fuzz.classify(lambda: fuzz.check_gguf(corpus, ("valid-q4_1", (("flip", 3653, 2),)), corpus.folder / "oom.gguf"))
     assert outcome == fuzz.REJECTED and ("past the end of the file" in detail or "metadata items" in detail), detail
+
+
+def test_json_edits_that_index_an_object_with_a_number_use_its_string_key() -> None:
+    """The harness error `make fuzz` found (counted against the script target): a path that set ``turns`` to an
+    object and then indexed it with 0 made an int key, and json.dumps(sort_keys=True) failed on int vs str keys."""
+    case = ([("set", ("turns",), {"a": 1}), ("set", ("turns", 0), "x")], False, [])
+    assert json.loads(fuzz.apply_json_ops({"turns": []}, case, None)) == {"turns": {"a": 1, "0": "x"}}
