@@ -17,9 +17,12 @@ install: $(STAMP)
 pull: $(STAMP)
 	$(BIN)/detinfer pull
 
+THREADS ?=  # e.g. make run THREADS=1 on a machine whose other core is busy
+THREAD_OPT := $(if $(THREADS),--threads $(THREADS))
+
 run: pull
-	$(BIN)/detinfer run --chat --prompt "$(PROMPT)" --max-tokens 128 --out run.json
-	$(BIN)/detinfer run --manifest run.json --quiet
+	$(BIN)/detinfer run --chat --prompt "$(PROMPT)" --max-tokens 128 --out run.json $(THREAD_OPT)
+	$(BIN)/detinfer run --manifest run.json --quiet $(THREAD_OPT)
 
 test: pull
 	$(BIN)/python -m pytest -q
@@ -31,6 +34,7 @@ test-boundscheck: pull
 	NUMBA_BOUNDSCHECK=1 NUMBA_CACHE_DIR=$(CURDIR)/.numba-boundscheck $(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow"
 
 verify: pull
+	$(BIN)/detinfer pull gemma3-270m-q4_k_m
 	$(BIN)/detinfer verify --threads 1
 	$(BIN)/detinfer verify --threads 2
 

@@ -110,6 +110,11 @@ _ENTRIES = (
 REGISTRY: Mapping[str, ModelEntry] = MappingProxyType({e.name: e for e in _ENTRIES})
 
 
+def name_for_sha256(sha256: str) -> str | None:
+    """The registry name of the model whose file has hex ``sha256``, or None if no registry model has it."""
+    return next((e.name for e in _ENTRIES if e.sha256 == sha256), None)
+
+
 def _known() -> str:
     return ", ".join(REGISTRY)
 

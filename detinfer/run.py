@@ -202,7 +202,7 @@ def compare(expected: RunManifest, actual: RunManifest) -> Comparison:
 
     def check(name: str, a, b) -> None:
         if a != b:
-            diffs.append(Difference(name, _short(a), _short(b)))
+            diffs.append(Difference(name, *excerpts(a, b)))
 
     check("model.sha256", expected.model.sha256, actual.model.sha256)
     check("tokenizer_sha256", expected.tokenizer_sha256, actual.tokenizer_sha256)
@@ -225,9 +225,17 @@ def first_difference(a: list, b: list) -> int | None:
     return next((i for i in range(max(len(a), len(b))) if i >= len(a) or i >= len(b) or a[i] != b[i]), None)
 
 
-def _short(value) -> str:
-    text = str(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+def excerpts(a, b, width: int = 80) -> tuple[str, str]:
+    """Printable forms of two differing values, both cut to the same window of ``width`` characters that starts
+    20 characters before their first differing character ("..." marks a cut), so long lists show where they differ."""
+    sa, sb = str(a), str(b)
+    i = next((k for k, (x, y) in enumerate(zip(sa, sb)) if x != y), min(len(sa), len(sb)))
+    start = max(0, i - 20)
+
+    def cut(s: str) -> str:
+        return ("..." if start else "") + s[start : start + width] + ("..." if start + width < len(s) else "")
+
+    return cut(sa), cut(sb)
 
 
 def engine_for_manifest(manifest: RunManifest, model: str | os.PathLike | None = None) -> Engine:
@@ -256,6 +264,6 @@ def reexecute(manifest: RunManifest, engine: Engine, *, chunk_size: int = DEFAUL
     actual = execute(engine, p, manifest.sampling, chunk_size=chunk_size, on_step=on_step, template=template)
     comparison = compare(manifest, actual)
     if retokenized.token_ids != p.token_ids:
-        extra = Difference("prompt.token_ids (re-tokenized)", _short(p.token_ids), _short(retokenized.token_ids))
+        extra = Difference("prompt.token_ids (re-tokenized)", *excerpts(p.token_ids, retokenized.token_ids))
         comparison = Comparison(comparison.differences + (extra,), comparison.first_divergent_step)
     return actual, comparison

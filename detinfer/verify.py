@@ -19,7 +19,8 @@ from .errors import DetinferError, ManifestError
 from .golden import GoldenRecord
 from .kvcache import parse_kv_type
 from .manifest import EngineRecord, PromptRecord, RunManifest, SamplingRecord, load_manifest, tokens_sha256
-from .run import engine_for_manifest, execute, reexecute
+from .registry import name_for_sha256
+from .run import engine_for_manifest, excerpts, execute, reexecute
 
 MATCH, MISMATCH, BAD_INPUT = "match", "mismatch", "bad input"
 
@@ -124,10 +125,14 @@ def verify_golden(path: Path, engines: dict[tuple, Engine], *, model: str | None
             raise ManifestError(f"{path} is not a valid golden record: {e.errors()[0]['msg']}") from None
         n_ctx, kv_type, chat, sampling = _golden_settings(path, record)
         key = (record.model_sha256, n_ctx, kv_type)
-        if key not in engines:
-            engine = Engine.load(model, n_ctx=key[1], kv_type=key[2])
+        if key not in engines:  # a golden record names its model by sha256 only: the registry knows which that is
+            source = model if model is not None else name_for_sha256(record.model_sha256)
+            engine = Engine.load(source, n_ctx=key[1], kv_type=key[2])
             if engine.model_file.sha256 != record.model_sha256:
-                raise ManifestError(f"{path} was recorded with model sha256 {record.model_sha256[:16]}..., not {engine.model_file.path.name}")
+                raise ManifestError(
+                    f"{path} was recorded with model sha256 {record.model_sha256[:16]}..., not "
+                    f"{engine.model_file.path.name}; pass that model with --model"
+                )
             engines[key] = engine
         engine = engines[key]
         ids = record.prompt_token_ids
@@ -136,7 +141,7 @@ def verify_golden(path: Path, engines: dict[tuple, Engine], *, model: str | None
     except DetinferError as e:
         return VerifyResult(str(path), BAD_INPUT, message=str(e), seconds=time.perf_counter() - t0)
     diffs = [
-        {"field": name, "expected": str(a)[:80], "actual": str(b)[:80]}
+        dict(zip(("field", "expected", "actual"), (name, *excerpts(a, b))))
         for name, a, b in (("output_token_ids", record.output_token_ids, actual.output.token_ids), ("output_text", record.output_text, actual.output.text))
         if a != b
     ]

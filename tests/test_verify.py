@@ -24,9 +24,10 @@ from detinfer.engine import Engine
 from detinfer.golden import Case, golden_json, golden_record, run_case, write_manifests
 from detinfer.kvcache import KV_QUANT_REASON
 from detinfer.manifest import SCHEMA_VERSION, RunManifest, load_manifest, tokens_sha256, write_manifest
-from detinfer.run import build_prompt, execute, sampling_record
+from detinfer.run import build_prompt, excerpts, execute, sampling_record
 from detinfer.sampler import SamplingParams
 from detinfer.selftest import matrix, probe_process
+from detinfer.verify import MATCH, verify as verify_paths
 
 PROMPT = "The capital of France is"
 GREEDY_IDS = [7042, 30, 198, 198, 504, 2988, 314, 42]  # " Paris.\n\nThe answer is:"
@@ -338,6 +339,21 @@ def test_golden_record_with_other_tokens_is_a_mismatch(home: Path, model_path: P
     assert res["status"] == "mismatch" and [d["field"] for d in res["differences"]] == ["output_token_ids"]
     dv = res["divergence"]
     assert (dv["step"], dv["expected_token"], dv["actual_token"]) == (2, 7042, GREEDY_IDS[2])
+
+
+def test_a_committed_gemma_golden_record_verifies_on_its_own(gemma_path: Path):
+    """A golden record names its model by sha256 only; alone (no manifest of that model verified before it, no
+    --model) it is re-run on the registry model with that sha256, not on the default model."""
+    (result,) = verify_paths([Path(__file__).parent.parent / "golden" / "gemma3_plain_greedy.json"])
+    assert result.status == MATCH and result.model == gemma_path.name, result
+
+
+def test_differences_show_where_long_values_differ():
+    a = list(range(100))
+    b = a[:60] + [7] + a[61:]
+    ea, eb = excerpts(a, b)
+    assert ea != eb and ", 60, " in ea and ", 7, " in eb and ea.startswith("...") and len(ea) <= 86
+    assert excerpts("abc", "abd") == ("abc", "abd")
 
 
 @pytest.mark.parametrize(
