@@ -134,23 +134,11 @@ def _code6(typingctx, q, shift, h, bit):
 
 @intrinsic
 def _f16_to_f32(typingctx, h):
-    """The float32 value of the float16 with bit pattern ``h`` (uint16), exactly, in integer ops and one multiply.
-
-    The 15 magnitude bits shifted into float32's exponent/mantissa position read as a float32 that is 2^-112 times
-    the float16's value (normal or subnormal); multiplying by 2^112 is exact. Exponent 31 (inf/NaN) gets float32's
-    all-ones exponent instead, then the sign bit is copied. Not LLVM's ``fpext half``: without F16C (e.g. the
-    generic x86-64 target) that becomes a call to ``__extendhfsf2``, which numba's JIT cannot link.
-    """
+    """The float32 value of the float16 with bit pattern ``h`` (uint16): LLVM ``fpext half to float``, exact on
+    every target (one vcvtph2ps where the CPU has F16C, a libcall otherwise)."""
 
     def codegen(context, builder, sig, args):
-        i32, f32 = ir.IntType(32), ir.FloatType()
-        x = builder.zext(args[0], i32)
-        bits = builder.shl(builder.and_(x, i32(0x7FFF)), i32(13))
-        finite = builder.fmul(builder.bitcast(bits, f32), f32(2.0**112))
-        special = builder.icmp_unsigned("==", builder.and_(x, i32(0x7C00)), i32(0x7C00))
-        mag = builder.select(special, builder.bitcast(builder.or_(bits, i32(0x7F800000)), f32), finite)
-        sign = builder.shl(builder.and_(x, i32(0x8000)), i32(16))
-        return builder.bitcast(builder.or_(builder.bitcast(mag, i32), sign), f32)
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
 
     return types.float32(types.uint16), codegen
 

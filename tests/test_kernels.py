@@ -613,19 +613,3 @@ def test_matrix_repacked_in_slices_equals_one_repacked_whole(tmp_path, monkeypat
     assert info.shape[0] == 299 and (sliced.kind, sliced.n_out) == (whole.kind, whole.n_out)
     for a, b in zip(sliced.arrays, whole.arrays, strict=True):
         assert (a is None and b is None) or (a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes())
-
-
-def test_f16_scales_widen_exactly_for_every_bit_pattern() -> None:
-    """The kernels' float16 -> float32 widening (integer ops and an exact multiply by 2^112, kernels._f16_to_f32)
-    equals the exact table for all 65,536 patterns: zeros, subnormals, normals, infinities; NaN stays NaN."""
-
-    @numba.njit
-    def widen(h, out):
-        for i in range(h.shape[0]):
-            out[i] = kernels._f16_to_f32(h[i])
-
-    out = np.empty(1 << 16, np.float32)
-    widen(np.arange(1 << 16, dtype=np.uint16), out)
-    nan = np.isnan(F16_TO_F32)
-    assert (np.isnan(out) == nan).all()
-    assert out[~nan].view(np.uint32).tobytes() == F16_TO_F32[~nan].view(np.uint32).tobytes()
