@@ -132,28 +132,6 @@ def _code6(typingctx, q, shift, h, bit):
     return types.float32(types.uint8, types.intp, types.uint8, types.intp), codegen
 
 
-@intrinsic
-def _f16_to_f32(typingctx, h):
-    """The float32 value of the float16 with bit pattern ``h`` (uint16): LLVM ``fpext half to float``, exact on
-    every target (one vcvtph2ps where the CPU has F16C, a libcall otherwise)."""
-
-    def codegen(context, builder, sig, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-
-    return types.float32(types.uint16), codegen
-
-
-def _scale(a, i):
-    """``a[i]`` as float32: a float32 scale as is, a float16 scale (uint16 bits, as GGUF stores it) widened exactly."""
-
-
-@overload(_scale, inline="always")
-def _scale_impl(a, i):
-    if a.dtype == types.uint16:
-        return lambda a, i: _f16_to_f32(a[i])
-    return lambda a, i: a[i]
-
-
 def _prefetch_rows(a, b):
     """Prefetch row ``b`` (if it exists) of a 2-D array, one hint per 64-byte line; ``a`` is one row group's
     quants ([nb, k*ROWS] bytes) or scales (float32 [nb, ROWS]), so row ``b`` is block ``b`` of the group.
@@ -235,7 +213,7 @@ def _block_step_impl(acc, db, mb, r, c0, c1, c2, c3, xs):
         return impl_k6
 
     def impl(acc, db, mb, r, c0, c1, c2, c3, xs):
-        return acc + fma32(_scale(db, r), (c0 + c1) + (c2 + c3), _scale(mb, r) * xs)
+        return acc + fma32(db[r], (c0 + c1) + (c2 + c3), mb[r] * xs)
 
     return impl
 
@@ -270,8 +248,8 @@ def matmul_nibbles(qs, qh, d, m, x, xsum, out):
       - 6-bit codes (Q6_K): k = 24, qh None, m None; byte 16 + j holds bits 4-5 of elements j, 8+j, 16+j, 24+j
         at bits 0-1, 2-3, 4-5, 6-7, and the code is q - 32 (signed). In qs rather than a separate array: a
         fourth array in the chunk loop stopped LLVM from vectorizing it (4-6x slower, measured).
-    d: [G, nb, ROWS] block scale (Q6_K: [G, nb, 2*ROWS], the scales of elements 0-15, then 16-31);
-    m: [G, nb, ROWS] block offset, or None for Q6_K; d and m float32, or uint16 float16 bits widened exactly. Element value = d * code + m, exactly: Q4_0 (d, -8 d),
+    d: float32 [G, nb, ROWS] block scale (Q6_K: [G, nb, 2*ROWS], the scales of elements 0-15, then 16-31);
+    m: float32 [G, nb, ROWS] block offset, or None for Q6_K. Element value = d * code + m, exactly: Q4_0 (d, -8 d),
     Q4_1 and Q5_1 (d, m), Q4_K and Q5_K sub-blocks (d * sc, -(dmin * m)), Q6_K (d * sc, code q - 32), as in
     ggml-quants.c ``dequantize_row_*`` (see quants.unpack_rows); x: float32 [T, nb*32]; xsum: float32 [T, nb] from
     :func:`block_sums`; out: float32 [T, n_out] with n_out <= G*ROWS (padding rows are not written).
@@ -384,7 +362,7 @@ def matmul_q8_0(qs, d, x, out):
     Q5_0 weights widened to codes q - 16 (x = d * (q - 16), ggml-quants.c ``dequantize_row_q5_0``).
 
     qs: int8 [G, nb, 32*ROWS], qs[g, b, e*ROWS + r] = element e of block b of row g*ROWS + r; d: float32
-    or uint16 float16 bits [G, nb, ROWS]; x: float32 [T, nb*32]; out: float32 [T, n_out].
+    [G, nb, ROWS]; x: float32 [T, nb*32]; out: float32 [T, n_out].
     Order per output (float32, fma = one rounding): per block, four partial sums over e = 8k .. 8k+7 in
     increasing e, c_k = fma(q_e, x_e, c_k) from c_k = +0; s = (c0 + c1) + (c2 + c3); then blocks left to right
     from acc = +0: acc = fma(d, s, acc). Parallel over row groups only; every token runs this same sequence.
@@ -416,7 +394,7 @@ def matmul_q8_0(qs, d, x, out):
                         c1 = fma32(np.float32(qb[(8 + j) * ROWS + r]), xb[8 + j], c1)
                         c2 = fma32(np.float32(qb[(16 + j) * ROWS + r]), xb[16 + j], c2)
                         c3 = fma32(np.float32(qb[(24 + j) * ROWS + r]), xb[24 + j], c3)
-                    o[r] = fma32(_scale(db, r), (c0 + c1) + (c2 + c3), o[r])
+                    o[r] = fma32(db[r], (c0 + c1) + (c2 + c3), o[r])
 
 
 @njit(cache=True, parallel=True)

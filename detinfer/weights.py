@@ -1,8 +1,8 @@
 """Weights: GGUF tensors mapped to the forward pass, matrices repacked once at load for the kernels.
 
-Quantized blocks stay quantized: a repacked Q4_1 matrix holds the same 4-bit codes and each block's f16
-scale and minimum (the kernels widen them to f32 exactly), regrouped so that ``kernels.ROWS`` output rows are
-stored k-major (see kernels.py). Which tensors exist is the architecture's business (:mod:`detinfer.arch`); this
+Quantized blocks stay quantized: a repacked Q4_1 matrix holds the same 4-bit codes, with each block's f16
+scale and minimum widened (exactly) to f32, regrouped so that ``kernels.ROWS`` output rows are stored
+k-major (see kernels.py). Which tensors exist is the architecture's business (:mod:`detinfer.arch`); this
 module loads whatever of them the architecture lists, into one :class:`Layer` shape for every architecture.
 """
 
@@ -46,9 +46,9 @@ def _k_major_blocks(qs: np.ndarray) -> np.ndarray:
     return a.reshape(a.shape[0], a.shape[1], -1)
 
 
-def _f16_bits(raw: np.ndarray) -> np.ndarray:
-    """Little-endian f16 bytes [..., 2] -> uint16 bit patterns [...] (the kernels widen them exactly)."""
-    return np.ascontiguousarray(raw).view("<u2")[..., 0].astype(np.uint16)
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """Little-endian f16 bytes [..., 2] -> exact float32 values [...]."""
+    return F16_TO_F32[np.ascontiguousarray(raw).view("<u2")[..., 0]]
 
 
 def _nibbles(codes: np.ndarray) -> np.ndarray:
@@ -74,12 +74,9 @@ class QMatrix:
     """A weight matrix of shape (n_out, n_in) ready for the matmul kernels.
 
     kind "nibbles" (Q4_0, Q4_1, Q4_K, Q5_1, Q5_K, Q6_K): arrays (qs, qh, d, m) of kernels.matmul_nibbles,
-    32-element blocks; d and m keep the file's f16 bits (uint16) where the file stores a scale per 32 elements
-    (Q4_1, Q5_1), and are exact float32 otherwise (Q4_0's m = -8 d; k-quant sub-block scales d * sc, dmin * m
-    are exact products of an f16 and a 6- or 8-bit integer); kind "q8_0" (Q8_0, Q5_0): (qs int8
-    [G, nb, 32*ROWS], d uint16 f16 bits) of kernels.matmul_q8_0; kind "dense" (F32/F16/BF16): (w float32
-    [G, n_in, ROWS]). Keeping f16 scales streams 20 instead of 24 bytes per Q4_1 block (34 instead of 36 per
-    Q8_0 block) in decode, where the weights are read from memory once per token.
+    32-element blocks with exact float32 scales (k-quant sub-block scales d * sc, dmin * m are exact products
+    of an f16 and a 6- or 8-bit integer); kind "q8_0" (Q8_0, Q5_0): (qs int8 [G, nb, 32*ROWS], d) of
+    kernels.matmul_q8_0; kind "dense" (F32/F16/BF16): (w float32 [G, n_in, ROWS]).
     In qs, byte j of block b of row g*ROWS + r sits at [g, b, j*ROWS + r] (see kernels.matmul_nibbles).
 
     Q5_0 is widened at load to int8 codes q - 16 with its scale d (exact: x = d * (q - 16)) and runs the Q8_0
@@ -106,14 +103,13 @@ class QMatrix:
         if ggml_type in (Q.Q4_0, Q.Q4_1, Q.Q8_0):  # already 32-element blocks of the kernels' layout
             block_bytes = GGML_QUANT_SIZES[ggml_type][1]
             blocks = raw.reshape(n_out, nb, block_bytes)
-            d = _f16_bits(blocks[:, :, 0:2])
+            d = _f16(blocks[:, :, 0:2])
             if ggml_type == Q.Q8_0:
                 qs = blocks[:, :, 2:].view(np.int8)
                 return cls(name, ggml_type, n_out, n_in, "q8_0", (_k_major_blocks(qs), _k_major(d)))
             if ggml_type == Q.Q4_1:
-                m, qs = _f16_bits(blocks[:, :, 2:4]), blocks[:, :, 4:]
-            else:  # Q4_0: x = d * (q - 8) = d * q + (-8 d); -8 d is exact in f32 (in f16 it could overflow)
-                d = F16_TO_F32[d]
+                m, qs = _f16(blocks[:, :, 2:4]), blocks[:, :, 4:]
+            else:  # Q4_0: x = d * (q - 8) = d * q + (-8 d), and -8 d is exact in f32
                 m, qs = d * np.float32(-8.0), blocks[:, :, 2:]
             arrays = (_k_major_blocks(qs), None, _k_major(d), _k_major(m))
             return cls(name, ggml_type, n_out, n_in, "nibbles", arrays)
@@ -124,18 +120,14 @@ class QMatrix:
             offset = np.empty_like(scale)
             unpack_rows(int(ggml_type), np.ascontiguousarray(raw), codes, scale, offset)
             codes = codes.reshape(n_out, nb, kernels.QK)
-            if ggml_type == Q.Q5_0:  # widened: x = d * (q - 16), see the class docstring; d stays f16
+            if ggml_type == Q.Q5_0:  # widened: x = d * (q - 16), see the class docstring
                 qs = codes.astype(np.int8) - np.int8(16)
-                d = _f16_bits(raw.reshape(n_out, nb, 22)[:, :, 0:2])
-                return cls(name, ggml_type, n_out, n_in, "q8_0", (_k_major_blocks(qs), _k_major(d)))
+                return cls(name, ggml_type, n_out, n_in, "q8_0", (_k_major_blocks(qs), _k_major(scale)))
             if ggml_type == Q.Q6_K:  # high bits after the nibbles; two 16-element scales per block; no offset
                 qs = _k_major_blocks(np.concatenate([_nibbles(codes), _high_crumbs(codes)], axis=-1))
                 arrays = (qs, None, _k_major_blocks(scale.reshape(n_out, nb, 2)), None)
             else:
                 qh = None if ggml_type == Q.Q4_K else _k_major(_high_bit_words(codes))
-                if ggml_type == Q.Q5_1:  # d and m as the file stores them (the values unpack_rows widened)
-                    blocks = raw.reshape(n_out, nb, 24)
-                    scale, offset = _f16_bits(blocks[:, :, 0:2]), _f16_bits(blocks[:, :, 2:4])
                 arrays = (_k_major_blocks(_nibbles(codes)), qh, _k_major(scale), _k_major(offset))
             return cls(name, ggml_type, n_out, n_in, "nibbles", arrays)
         w = dequantize(raw, ggml_type)  # F32 / F16 / BF16: widening to f32 is exact
