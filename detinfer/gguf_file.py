@@ -111,9 +111,7 @@ def _tensor_nbytes(ggml_type: GGMLQuantizationType, ne: tuple[int, ...]) -> int:
 
 
 def _parse(path: Path) -> dict[str, Any]:
-    """Parse ``path`` with the gguf reader into a JSON-able index: metadata and tensor table.
-
-    """
+    """Parse ``path`` with the gguf reader into a JSON-able index: metadata and tensor table."""
     try:
         reader = _PlainReader(path)
     except Exception as e:  # the reader raises ValueError, IndexError, OverflowError... on malformed input

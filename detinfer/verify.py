@@ -20,7 +20,7 @@ from .golden import GoldenRecord
 from .kvcache import parse_kv_type
 from .manifest import EngineRecord, PromptRecord, RunManifest, SamplingRecord, load_manifest, tokens_sha256
 from .registry import name_for_sha256
-from .run import engine_for_manifest, excerpts, execute, reexecute
+from .run import Difference, engine_for_manifest, excerpts, execute, reexecute
 
 MATCH, MISMATCH, BAD_INPUT = "match", "mismatch", "bad input"
 
@@ -141,7 +141,7 @@ def verify_golden(path: Path, engines: dict[tuple, Engine], *, model: str | None
     except DetinferError as e:
         return VerifyResult(str(path), BAD_INPUT, message=str(e), seconds=time.perf_counter() - t0)
     diffs = [
-        dict(zip(("field", "expected", "actual"), (name, *excerpts(a, b))))
+        Difference(name, *excerpts(a, b)).__dict__
         for name, a, b in (("output_token_ids", record.output_token_ids, actual.output.token_ids), ("output_text", record.output_text, actual.output.text))
         if a != b
     ]
