@@ -57,7 +57,7 @@ TEXT = " ".join(f"item {i}: the quick brown fox jumps over the lazy dog." for i 
 FIGURES = tuple((f"prefill_{n}_tok_s", "prefill", n) for n in PREFILL_SIZES) + (
     (f"decode_{DECODE_TOKENS}_tok_s", "decode", DECODE_TOKENS),
 )
-# llama-cpp-python 0.3.36 on SmolLM2 Q4_1 on the project's 2-core machine (shared/NUMERICS.md): the documented
+# llama-cpp-python 0.3.36 on SmolLM2 Q4_1 on the project's 2-core machine (docs/determinism.md): the documented
 # reference when the peer cannot run here. Labelled as such wherever it is used.
 REFERENCE_LLAMA_CPP = {
     DEFAULT_MODEL: {

@@ -1,7 +1,7 @@
 """Numba kernels of the forward pass, each with one fixed summation order.
 
 Rules that make every output bit-identical across thread counts, prefill chunk sizes and runs
-(measured facts in shared/NUMERICS.md):
+(measured facts in docs/determinism.md):
 
 - ``prange`` runs only over independent outputs (row groups, heads x tokens), never over a sum.
 - Every reduction is written out in the source in a fixed order (sequential, or a fixed number of partial sums
@@ -656,7 +656,7 @@ def geglu(gate, up, out):
     gelu(g) = 0.5 g (1 + tanh(y)), y = sqrt(2/pi) * g * (1 + 0.044715 g^2) (ggml's ``gelu`` formula, HF
     "gelu_pytorch_tanh"). Computed as g / (1 + expf(-2y)), which is the same function because
     0.5 (1 + tanh y) = 1 / (1 + e^-2y): it needs only float32 ``math.exp`` (glibc expf, identical on every
-    target; shared/NUMERICS.md), not a libm tanhf whose code path could vary. Order: y = (C * g) * (1 + (A * g) * g)
+    target; docs/determinism.md), not a libm tanhf whose code path could vary. Order: y = (C * g) * (1 + (A * g) * g)
     in float32, then (g / (1 + expf(-(2 y)))) * up.
     """
     for t in range(gate.shape[0]):

@@ -3,26 +3,21 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from detinfer.registry import DEFAULT_MODEL, ensure_model
 
-# CI and every developer have shared/ beside the repo; DETINFER_SHARED points elsewhere (e.g. a clone in /tmp).
-SHARED = Path(os.environ.get("DETINFER_SHARED") or Path(__file__).resolve().parents[2] / "shared")
-REFERENCE_DIR = SHARED / "reference"
+# llama.cpp's reference data lives in the repo (tests/data/llamacpp/README.md says how it was produced).
+REFERENCE_DIR = Path(__file__).resolve().parent / "data" / "llamacpp"
 
 
 GEMMA_MODEL = "gemma3-270m-q4_k_m"  # registry name of the gemma3 model the architecture tests run
 
 
 def _reference(filename: str) -> dict:
-    path = REFERENCE_DIR / filename
-    if not path.exists():
-        pytest.fail(f"reference file {path} is missing: the repo expects ../shared/reference beside it")
-    return json.loads(path.read_text())
+    return json.loads((REFERENCE_DIR / filename).read_text())
 
 
 @pytest.fixture(scope="session")
@@ -39,13 +34,13 @@ def gemma_path() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_reference() -> dict:
-    """llama.cpp's token ids, greedy continuations and top logits for SmolLM2 (see shared/reference)."""
+    """llama.cpp's token ids, greedy continuations and top logits for SmolLM2 (tests/data/llamacpp)."""
     return _reference("smollm2-135m-instruct-q4_1.llamacpp.json")
 
 
 @pytest.fixture(scope="session")
 def gemma3_reference() -> dict:
-    """llama.cpp's token ids, greedy continuations and top logits for Gemma 3 270M (see shared/reference)."""
+    """llama.cpp's token ids, greedy continuations and top logits for Gemma 3 270M (tests/data/llamacpp)."""
     return _reference("gemma3-270m-q4_k_m.llamacpp.json")
 
 

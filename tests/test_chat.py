@@ -9,7 +9,6 @@ from pathlib import Path
 import gguf
 import pytest
 from cli_helpers import cli
-from conftest import REFERENCE_DIR
 from gguf_factory import write_tiny_gguf
 
 from detinfer.chat import BUILTIN_TEMPLATES, ChatTemplate, load_messages, validate_messages
@@ -196,10 +195,9 @@ def gemma_tok() -> Tokenizer:
     return Tokenizer.from_model(ModelFile(ensure_model("gemma3-270m-q4_k_m")))
 
 
-def test_builtin_gemma_renders_and_tokenizes_like_llamacpp(gemma_tok: Tokenizer):
+def test_builtin_gemma_renders_and_tokenizes_like_llamacpp(gemma_tok: Tokenizer, gemma3_reference: dict):
     # The gemma file has no template; llama.cpp formatted the reference chat prompt with its built-in "gemma"
-    reference = json.loads((REFERENCE_DIR / "gemma3-270m-q4_k_m.llamacpp.json").read_text())
-    chat = reference_chat(reference)
+    chat = reference_chat(gemma3_reference)
     question = "What are three good habits for staying healthy? Answer in two sentences."
     t = ChatTemplate.builtin("gemma")
     rendered = t.render([{"role": "user", "content": question}], bos_token="<bos>", eos_token="<eos>")

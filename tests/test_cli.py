@@ -21,7 +21,7 @@ from detinfer.manifest import SCHEMA_VERSION, load_manifest, tokens_sha256, writ
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "The capital of France is"
-PROMPT_IDS = [504, 3575, 282, 4649, 314]  # llama.cpp's tokenization (shared/reference)
+PROMPT_IDS = [504, 3575, 282, 4649, 314]  # llama.cpp's tokenization (tests/data/llamacpp)
 QUESTION = "What is the capital of France?"
 
 

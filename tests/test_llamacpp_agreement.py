@@ -1,4 +1,4 @@
-"""Teacher-forced agreement with llama.cpp's greedy continuations (shared/reference/*.llamacpp.json).
+"""Teacher-forced agreement with llama.cpp's greedy continuations (tests/data/llamacpp/*.llamacpp.json).
 
 llama.cpp quantizes activations to 8 bits for its quantized products and moves by up to ~0.5 (SmolLM2) or ~1.7
 (Gemma 3) in a logit across its own settings, so its tokens are an agreement check, not bytes to match: feed

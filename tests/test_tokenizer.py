@@ -1,4 +1,4 @@
-"""Tokenizer against llama.cpp's token ids (shared/reference), plus small GGUF files written with gguf-py."""
+"""Tokenizer against llama.cpp's token ids (tests/data/llamacpp), plus small GGUF files written with gguf-py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from conftest import REFERENCE_DIR
 
 from detinfer.errors import TokenizerError
 from detinfer.gguf_file import ModelFile
@@ -287,18 +286,10 @@ def gemma(gemma_file: ModelFile) -> Tokenizer:
     return Tokenizer.from_model(gemma_file)
 
 
-@pytest.fixture(scope="module")
-def gemma_reference() -> dict:
-    path = REFERENCE_DIR / "gemma3-270m-q4_k_m.llamacpp.json"
-    if not path.exists():
-        pytest.fail(f"reference file {path} is missing: the repo expects ../shared/reference beside it")
-    return json.loads(path.read_text())
-
-
-def test_gemma_reference_prompts_match_llamacpp(gemma: Tokenizer, gemma_reference: dict):
+def test_gemma_reference_prompts_match_llamacpp(gemma: Tokenizer, gemma3_reference: dict):
     # llama.cpp tokenized every prompt with add_special (BOS 2 first) and parse_special (the chat prompt's turns)
-    assert len(gemma_reference["prompts"]) >= 3
-    for prompt in gemma_reference["prompts"]:
+    assert len(gemma3_reference["prompts"]) >= 3
+    for prompt in gemma3_reference["prompts"]:
         ids = gemma.encode(prompt["text"], parse_special=True)
         assert ids == prompt["tokens"], f"{prompt['name']}: {first_difference(ids, prompt['tokens'])}"
         assert gemma.decode(prompt["tokens"][1:]) == prompt["text"], prompt["name"]
