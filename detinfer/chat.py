@@ -17,16 +17,20 @@ import contextvars
 import json
 import os
 import re
+import sys
+import time
 from pathlib import Path
 from typing import Any, Literal, NoReturn
 
 import jinja2
 import jinja2.ext
+from jinja2 import nodes
+from jinja2.compiler import CodeGenerator, Frame
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import MAX_RANGE, ImmutableSandboxedEnvironment
 
 from .errors import InputError, TemplateError
-from .fileio import sha256_bytes
+from .fileio import parse_json, read_input, read_input_text, sha256_bytes
 from .gguf_file import ModelFile
 
 
@@ -44,24 +48,49 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separ
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-# Render limits. A template is code from the model file: these stop one that loops (nearly) forever or builds
-# huge strings. They count operations, never time, so a template renders or fails the same way on any machine.
+# Render limits. A template is code from the model file (or a manifest, or a user's file): these stop one that
+# loops (nearly) forever or builds huge values. Steps and bytes are counted, so a template renders or fails the
+# same way on any machine; the CPU-time limit is a backstop far above what the step limit allows.
 MAX_RENDER_CHARS = 16 * 1024 * 1024  # rendered text, and any one string or list a template builds or passes
-MAX_RENDER_STEPS = 2_000_000  # attribute/item lookups, calls, filters, operators and range() elements
+MAX_RENDER_STEPS = 1_000_000  # template lines run (each loop iteration), Python calls, lookups, operators
+MAX_RENDER_BYTES = 64 * 1024 * 1024  # total size of the strings and lists a render's operators, filters and calls make
+MAX_RENDER_CPU_S = 1.0  # CPU seconds of the rendering thread
+MAX_TEMPLATE_BYTES = 1024 * 1024  # a --chat-template file
+_CPU_CHECK_EVERY = 1024  # steps between two looks at the thread's CPU clock
 
 
 class _Budget:
-    """Operations left for one render (one per render: renders in other threads keep their own)."""
+    """Steps, bytes and CPU time left for one render (one per render: renders in other threads keep their own)."""
 
     def __init__(self) -> None:
         self.steps = 0
+        self.bytes = 0
+        self.cpu0 = time.thread_time()
 
     def step(self, n: int = 1) -> None:
         self.steps += n
         if self.steps > MAX_RENDER_STEPS:
             raise TemplateError(
-                f"chat template stopped: it ran more than {MAX_RENDER_STEPS:,} operations (a loop that does not end?)"
+                f"chat template stopped: it ran more than {MAX_RENDER_STEPS:,} steps (a loop that does not end?)"
             )
+        if self.steps % _CPU_CHECK_EVERY < n and time.thread_time() - self.cpu0 > MAX_RENDER_CPU_S:
+            raise TemplateError(f"chat template stopped: it used more than {MAX_RENDER_CPU_S:g} s of CPU time")
+
+    def allocate(self, value: Any) -> None:
+        if isinstance(value, (str, bytes, list, tuple, dict)):
+            self.bytes += sys.getsizeof(value)
+            if self.bytes > MAX_RENDER_BYTES:
+                raise TemplateError(f"chat template stopped: it built more than {MAX_RENDER_BYTES // 2**20} MiB of strings and lists")
+
+    def tracer(self, frame: Any, event: str, arg: Any) -> Any:
+        """sys.settrace hook: every Python call counts one step; inside the compiled template every line does too,
+        so loops jinja runs as plain Python ``for`` statements (over strings, lists, messages) are counted."""
+        self.step()
+        return self._in_template if frame.f_code.co_filename == "<template>" else None
+
+    def _in_template(self, frame: Any, event: str, arg: Any) -> Any:
+        self.step()
+        return self._in_template
 
 
 _budget: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("detinfer_template_budget", default=None)
@@ -80,6 +109,36 @@ def _checked(value: Any, what: str) -> Any:
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_RENDER_CHARS:
         raise TemplateError(f"chat template stopped: {what} used the number {value} (limit {MAX_RENDER_CHARS:,})")
     return value
+
+
+def _made(value: Any, what: str) -> Any:
+    """A value the template just built: checked (see _checked) and counted against the render's bytes."""
+    _checked(value, what)
+    budget = _budget.get()
+    if budget is not None:
+        budget.allocate(value)
+    return value
+
+
+def _concat(parts: tuple) -> str:
+    """The ``~`` operator (jinja's str_join), its length checked before the string is built."""
+    _spend()
+    texts = [str(p) for p in parts]
+    n = sum(map(len, texts))
+    if n > MAX_RENDER_CHARS:
+        raise TemplateError(f"chat template stopped: '~' made a value of length {n:,} (limit {MAX_RENDER_CHARS:,})")
+    return _made("".join(texts), "'~'")
+
+
+class _CodeGenerator(CodeGenerator):
+    """jinja's compiler, except that ``a ~ b`` calls :func:`_concat` (no autoescape here, so always plain str)."""
+
+    def visit_Concat(self, node: nodes.Concat, frame: Frame) -> None:
+        self.write("environment.concat_checked((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
 
 
 class _CountedRange:
@@ -118,7 +177,7 @@ def _limited_filter(f: Any) -> Any:
         _spend()
         for a in (*args[1:], *kwargs.values()):
             _checked(a, "a filter argument")
-        return _checked(f(*args, **kwargs), "a filter")
+        return _made(f(*args, **kwargs), "a filter")
 
     for attr in ("jinja_pass_arg",):  # pass_context / pass_environment markers must survive the wrapping
         if hasattr(f, attr):
@@ -134,6 +193,8 @@ class _Sandbox(ImmutableSandboxedEnvironment):
     """
 
     intercepted_binops = frozenset({"+", "*", "**", "%", "//", "/", "-"})
+    code_generator_class = _CodeGenerator
+    concat_checked = staticmethod(_concat)
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> NoReturn:
         raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
@@ -153,7 +214,7 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         owner = getattr(getattr(__obj, "__wrapped__", __obj), "__self__", None)  # the sandbox wraps str.format
         if isinstance(owner, str) and getattr(__obj, "__name__", "") in ("format", "format_map") and re.search(r"\d{8}", owner):
             raise TemplateError("chat template stopped: a format string asks for a width of 8 or more digits")
-        return _checked(super().call(__context, __obj, *args, **kwargs), "a call")
+        return _made(super().call(__context, __obj, *args, **kwargs), "a call")
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         _spend()
@@ -163,7 +224,7 @@ class _Sandbox(ImmutableSandboxedEnvironment):
             _checked(len(left) * right, "'*'")
         if operator == "*" and isinstance(right, (str, list, tuple)) and isinstance(left, int):
             _checked(len(right) * left, "'*'")
-        return _checked(super().call_binop(context, operator, left, right), f"{operator!r}")
+        return _made(super().call_binop(context, operator, left, right), f"{operator!r}")
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
@@ -207,16 +268,7 @@ def load_messages(path: str | os.PathLike) -> list[dict[str, Any]]:
     and column), or a bad message (with its index).
     """
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputError(f"{path}: messages file not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"{path}: cannot read messages file ({_one_line(e)})") from None
-    try:
-        messages = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise InputError(f"{path}: invalid JSON at line {e.lineno} column {e.colno} ({e.msg})") from None
+    messages = parse_json(read_input(path, InputError, "messages file", stdin=True), InputError, "messages file", path)
     messages = validate_messages(messages, where=str(path))
     for i, m in enumerate(messages):
         if m["role"] not in ROLES:
@@ -276,15 +328,9 @@ class ChatTemplate:
     def from_file(cls, path: str | os.PathLike) -> ChatTemplate:
         """A jinja chat template read from ``path`` (UTF-8); InputError if unreadable, TemplateError if it does not compile."""
         path = Path(path)
-        try:
-            source = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise InputError(
-                f"chat template {str(path)!r} is neither a file nor a built-in format ({', '.join(BUILTIN_TEMPLATES)})"
-            ) from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise InputError(f"{path}: cannot read chat template ({_one_line(e)})") from None
-        return cls(source, origin="file", name=path.name)
+        if not os.path.lexists(path):
+            raise InputError(f"chat template {str(path)!r} is neither a file nor a built-in format ({', '.join(BUILTIN_TEMPLATES)})")
+        return cls(read_input_text(path, InputError, "chat template", max_bytes=MAX_TEMPLATE_BYTES), origin="file", name=path.name)
 
     @classmethod
     def from_option(cls, value: str) -> ChatTemplate:
@@ -309,7 +355,10 @@ class ChatTemplate:
         template (undefined attribute, sandbox violation, ``raise_exception``, type error...).
         """
         validate_messages(messages)
-        token = _budget.set(_Budget())
+        budget = _Budget()
+        token = _budget.set(budget)
+        outer_trace = sys.gettrace()
+        sys.settrace(budget.tracer)  # this thread only: renders in other threads keep their own budget
         try:
             parts, n = [], 0
             for part in self._template.generate(
@@ -330,4 +379,5 @@ class ChatTemplate:
         except Exception as e:  # a template can raise anything Python can (TypeError, ZeroDivisionError...)
             raise TemplateError(f"chat template failed: {type(e).__name__}: {_one_line(e)}") from None
         finally:
+            sys.settrace(outer_trace)
             _budget.reset(token)

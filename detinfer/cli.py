@@ -133,14 +133,9 @@ _RECORDED_OPTIONS = {"prompt", "prompt_file", "messages", "chat", "chat_template
 
 
 def _read_prompt_file(path: Path) -> str:
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise InputError(f"cannot read prompt file {path}: {e.strerror or e}") from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise InputError(f"prompt file {path} is not valid UTF-8: byte 0x{data[e.start]:02x} at offset {e.start}") from None
+    from .fileio import read_input_text
+
+    return read_input_text(path, InputError, "prompt file", stdin=True)
 
 
 @app.command()

@@ -5,10 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
+import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import Any, BinaryIO, Iterator
+
+from .errors import InputError
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -25,9 +29,12 @@ def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
     """Stream a file to ``path`` atomically: yields a binary file in the same folder; on a clean exit it is
     flushed, fsynced and renamed over ``path`` (then the folder is fsynced so the rename survives a crash).
 
-    If the body raises, the temp file is removed and ``path`` is left as it was.
+    If the body raises, the temp file is removed and ``path`` is left as it was. A ``path`` that exists and is not
+    a regular file (symbolic link, device, FIFO, directory...) is never replaced: InputError.
     """
     path = Path(path)
+    if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
+        raise InputError(f"{path} is {_kind(os.lstat(path).st_mode)}; detinfer writes only regular files or new paths")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -44,14 +51,9 @@ def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
 
 
 def read_json(path: str | os.PathLike, error: type[Exception], what: str):
-    """Parse a JSON file; an unreadable or non-JSON file raises ``error`` with one line naming it as ``what``."""
-    path = Path(path)
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise error(f"cannot read {what} {path}: {e.strerror or e}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise error(f"{path} is not a JSON {what} ({e}); it may be truncated") from None
+    """Parse a JSON file (see :func:`load_json`: a regular file, bounded size, depth and integers); an unreadable
+    or non-JSON file raises ``error`` with one line naming it as ``what``."""
+    return load_json(path, error, what)
 
 
 def fsync_dir(folder: Path) -> None:
@@ -91,3 +93,164 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
 def sha256_bytes(data: bytes) -> str:
     """Hex sha256 of ``data``."""
     return hashlib.sha256(data).hexdigest()
+
+
+# --------------------------------------------------------------------------------------------- inputs from paths
+
+MAX_INPUT_BYTES = 64 * 1024 * 1024  # default cap of a prompt, messages, template, script, manifest or record file
+MAX_JSON_DEPTH = 64  # nesting levels of arrays and objects in any JSON input
+MAX_JSON_INT_DIGITS = 40  # digits of a JSON integer (2**64 has 20): Python's own limit of 4,300 is far too late
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def open_input(path: str | os.PathLike, error: type[Exception], what: str) -> BinaryIO:
+    """``path`` opened for binary reading if it is a regular file (symbolic links to one are followed).
+
+    A FIFO, device, socket or directory is refused at once: the file is opened non-blocking, so a FIFO without a
+    writer cannot hang. Raises ``error`` with one line naming ``what`` and the path (not found, unreadable, not a
+    regular file).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    except FileNotFoundError:
+        raise error(f"cannot read {what} {path}: file not found") from None
+    except OSError as e:
+        raise error(f"cannot read {what} {path}: {e.strerror or e}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise error(f"cannot read {what} {path}: it is {_kind(mode)}, not a regular file")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def read_input(path: str | os.PathLike, error: type[Exception], what: str, *, max_bytes: int = MAX_INPUT_BYTES,
+               stdin: bool = False) -> bytes:  # fmt: skip
+    """The bytes of the regular file ``path`` (see :func:`open_input`; ``-`` reads stdin when ``stdin``), at most
+    ``max_bytes``; ``error`` (one line) if it is not a readable regular file or is larger."""
+    if stdin and str(path) == "-":
+        data = sys.stdin.buffer.read(max_bytes + 1)
+        if len(data) > max_bytes:
+            raise error(f"{what} on stdin is larger than the limit of {max_bytes:,} bytes")
+        return data
+    with open_input(path, error, what) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > max_bytes:
+            raise error(f"{what} {path} has {size:,} bytes, more than the limit of {max_bytes:,}")
+        try:
+            data = f.read(max_bytes + 1)
+        except OSError as e:
+            raise error(f"cannot read {what} {path}: {e.strerror or e}") from None
+    if len(data) > max_bytes:  # the file grew while being read
+        raise error(f"{what} {path} is larger than the limit of {max_bytes:,} bytes")
+    return data
+
+
+def read_input_text(path: str | os.PathLike, error: type[Exception], what: str, **kw: Any) -> str:
+    """:func:`read_input` decoded as UTF-8; invalid UTF-8 raises ``error`` naming the byte and its offset."""
+    data = read_input(path, error, what, **kw)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"{what} {path} is not valid UTF-8: byte 0x{data[e.start]:02x} at offset {e.start}") from None
+
+
+class _JSONLimit(ValueError):
+    pass
+
+
+def _bounded_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > MAX_JSON_INT_DIGITS:
+        raise _JSONLimit(f"an integer of {len(digits.lstrip('-')):,} digits (limit {MAX_JSON_INT_DIGITS})")
+    return int(digits)
+
+
+def _check_tree(data: Any) -> None:
+    """Depth at most MAX_JSON_DEPTH, and every string (keys too) encodable as UTF-8 (no lone surrogates)."""
+    todo = [(data, 1)]
+    while todo:
+        value, depth = todo.pop()
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise _JSONLimit(f"a string holding the lone surrogate \\u{ord(value[e.start]):04x} (not valid UTF-8)") from None
+        elif isinstance(value, (list, dict)):
+            if depth > MAX_JSON_DEPTH:
+                raise _JSONLimit(f"nesting deeper than {MAX_JSON_DEPTH} levels")
+            items = value.items() if isinstance(value, dict) else ((None, v) for v in value)
+            for k, v in items:
+                if k is not None:
+                    todo.append((k, depth))
+                todo.append((v, depth + 1))
+
+
+def parse_json(text: str | bytes, error: type[Exception], what: str, where: str | os.PathLike) -> Any:
+    """Parse the JSON ``what`` read from ``where`` with bounded nesting (MAX_JSON_DEPTH), integer size
+    (MAX_JSON_INT_DIGITS) and valid UTF-8 strings; a violation or syntax error raises ``error``, one line."""
+    try:
+        data = json.loads(text, parse_int=_bounded_int)
+        _check_tree(data)
+    except RecursionError:
+        raise error(f"{where}: {what} JSON is nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except _JSONLimit as e:
+        raise error(f"{where}: {what} JSON holds {e}") from None
+    except json.JSONDecodeError as e:
+        raise error(f"{where} is not a JSON {what}: invalid JSON at line {e.lineno} column {e.colno} ({e.msg}); "
+                    "it may be truncated") from None  # fmt: skip
+    except (ValueError, UnicodeDecodeError) as e:  # bytes that are not UTF-8, or Python's own integer limit
+        raise error(f"{where} is not a JSON {what} ({' '.join(str(e).split())[:200]}); it may be truncated") from None
+    return data
+
+
+def load_json(path: str | os.PathLike, error: type[Exception], what: str, *, max_bytes: int = MAX_INPUT_BYTES) -> Any:
+    """A JSON file read with :func:`read_input` and parsed with :func:`parse_json`; ``error`` (one line) otherwise."""
+    return parse_json(read_input(path, error, what, max_bytes=max_bytes), error, what, path)
+
+
+# --------------------------------------------------------------------------------------------- output paths
+
+
+def check_output(path: str | os.PathLike, what: str) -> Path:
+    """``path`` if detinfer may write a file there: a regular file (replaced atomically) or a new path in a folder
+    it can write. Never a symbolic link, directory, device, FIFO or socket, and never a path under a file.
+
+    Raises InputError (one line naming ``what``) otherwise; writes nothing but a probe file it removes at once.
+    """
+    path = Path(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise InputError(f"{what} {path}: cannot write there ({e.strerror or e})") from None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise InputError(f"{what} {path} is {_kind(st.st_mode)}; detinfer writes only regular files or new paths")
+    check_output_dir(path.parent, what)
+    return path
+
+
+def check_output_dir(folder: str | os.PathLike, what: str) -> Path:
+    """``folder`` if files can be created in it (or in its nearest existing ancestor, when it does not exist yet);
+    InputError (one line) if it or an ancestor is not a directory or cannot be written."""
+    folder = Path(folder)
+    existing = folder
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise InputError(f"{what} {folder}: {existing} is not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".detinfer-probe-")
+    except OSError as e:
+        raise InputError(f"{what} {folder}: cannot create files in {existing} ({e.strerror or e})") from None
+    os.close(fd)
+    os.unlink(probe)
+    return folder

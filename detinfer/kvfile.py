@@ -37,7 +37,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import InputError, KVFileError
-from .fileio import atomic_writer
+from .fileio import atomic_writer, open_input
 from .kvcache import KV_TYPES, KVCache, KVSnapshot, canonical_layers, digest_prefix
 
 MAGIC = b"DETKV\0\0\0"
@@ -215,13 +215,9 @@ def inspect_kv(path: str | os.PathLike) -> dict[str, Any]:
 @contextmanager
 def _opened(path: Path) -> Iterator[tuple[BinaryIO, int]]:
     """(file, size) of ``path`` opened for reading; a missing or unreadable file is a KVFileError."""
-    try:
-        f = open(path, "rb")
-    except FileNotFoundError:
-        raise KVFileError(f"{path}: no such KV snapshot file") from None
-    except OSError as e:
-        raise KVFileError(f"{path}: cannot read the KV snapshot ({e.strerror or e})") from None
-    with f:
+    if not os.path.lexists(path):
+        raise KVFileError(f"{path}: no such KV snapshot file")
+    with open_input(path, KVFileError, "KV snapshot") as f:
         yield f, os.fstat(f.fileno()).st_size
 
 

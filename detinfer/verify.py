@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from .engine import Engine
 from .errors import DetinferError, ManifestError
+from .fileio import load_json
 from .golden import GoldenRecord
 from .kvcache import parse_kv_type
 from .manifest import EngineRecord, PromptRecord, RunManifest, SamplingRecord, load_manifest, tokens_sha256
@@ -91,9 +92,9 @@ def _divergence(engine: Engine, et: list[int], expected_top: list, actual: RunMa
 
 def _is_golden(path: Path) -> bool:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
+        data = load_json(path, ManifestError, "manifest")
+    except DetinferError:
+        return False  # load_manifest reports it
     return isinstance(data, dict) and "case" in data and "schema_version" not in data
 
 
@@ -120,7 +121,7 @@ def verify_golden(path: Path, engines: dict[tuple, Engine], *, model: str | None
     t0 = time.perf_counter()
     try:
         try:
-            record = GoldenRecord.model_validate_json(path.read_text(encoding="utf-8"))
+            record = GoldenRecord.model_validate(load_json(path, ManifestError, "golden record"))
         except ValidationError as e:
             raise ManifestError(f"{path} is not a valid golden record: {e.errors()[0]['msg']}") from None
         n_ctx, kv_type, chat, sampling = _golden_settings(path, record)

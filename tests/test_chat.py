@@ -173,7 +173,7 @@ def test_load_messages(tmp_path: Path):
         ("[{\"role\": \"user\", \"content\": \"hi\"}", "invalid JSON at line 1 column"),
         ("{\"role\": \"user\", \"content\": \"hi\"}", "expected a list"),
         ("[{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"user\"}]", "message 1 has no 'content'"),
-        (b"\xff\xfe[]", "cannot read"),
+        (b"\xff\xfe[]", "not a JSON messages file"),
     ],
 )
 def test_load_messages_errors_name_file_and_problem(tmp_path: Path, content, match: str):
