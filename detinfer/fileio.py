@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import stat
 import sys
 import tempfile
@@ -99,7 +100,6 @@ def sha256_bytes(data: bytes) -> str:
 
 MAX_INPUT_BYTES = 64 * 1024 * 1024  # default cap of a prompt, messages, template, script, manifest or record file
 MAX_JSON_DEPTH = 64  # nesting levels of arrays and objects in any JSON input
-MAX_JSON_INT_DIGITS = 40  # digits of a JSON integer (2**64 has 20): Python's own limit of 4,300 is far too late
 
 
 def _kind(mode: int) -> str:
@@ -166,39 +166,52 @@ class _JSONLimit(ValueError):
     pass
 
 
-def _bounded_int(digits: str) -> int:
-    if len(digits.lstrip("-")) > MAX_JSON_INT_DIGITS:
-        raise _JSONLimit(f"an integer of {len(digits.lstrip('-')):,} digits (limit {MAX_JSON_INT_DIGITS})")
-    return int(digits)
+def _check_depth(data: Any) -> None:
+    """At most MAX_JSON_DEPTH levels of arrays and objects (checked level by level: big flat arrays stay cheap)."""
+    level, depth = [data] if isinstance(data, (list, dict)) else [], 1
+    while level:
+        if depth > MAX_JSON_DEPTH:
+            raise _JSONLimit(f"nesting deeper than {MAX_JSON_DEPTH} levels")
+        inner: list = []
+        for c in level:
+            inner.extend([v for v in (c.values() if isinstance(c, dict) else c) if isinstance(v, (list, dict))])
+        level, depth = inner, depth + 1
 
 
-def _check_tree(data: Any) -> None:
-    """Depth at most MAX_JSON_DEPTH, and every string (keys too) encodable as UTF-8 (no lone surrogates)."""
-    todo = [(data, 1)]
+# A lone surrogate can only come from a \\u escape without its pair: counting escapes and pairs (fast, even on a
+# cached index of 260k tokens) tells whether the slow check of every string is needed.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE_PAIR = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F]")
+
+
+def _check_utf8(data: Any) -> None:
+    """Every string (keys too) encodable as UTF-8: no lone surrogate, which JSON can write as a \\u escape."""
+    todo = [data]
     while todo:
-        value, depth = todo.pop()
+        value = todo.pop()
         if isinstance(value, str):
-            if not value.isascii():
-                try:
-                    value.encode("utf-8")
-                except UnicodeEncodeError as e:
-                    raise _JSONLimit(f"a string holding the lone surrogate \\u{ord(value[e.start]):04x} (not valid UTF-8)") from None
-        elif isinstance(value, (list, dict)):
-            if depth > MAX_JSON_DEPTH:
-                raise _JSONLimit(f"nesting deeper than {MAX_JSON_DEPTH} levels")
-            items = value.items() if isinstance(value, dict) else ((None, v) for v in value)
-            for k, v in items:
-                if k is not None:
-                    todo.append((k, depth))
-                todo.append((v, depth + 1))
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise _JSONLimit(f"a string holding the lone surrogate \\u{ord(value[e.start]):04x} (not valid UTF-8)") from None
+        elif isinstance(value, dict):
+            todo.extend(value.keys())
+            todo.extend(value.values())
+        elif isinstance(value, list):
+            todo.extend(value)
 
 
 def parse_json(text: str | bytes, error: type[Exception], what: str, where: str | os.PathLike) -> Any:
-    """Parse the JSON ``what`` read from ``where`` with bounded nesting (MAX_JSON_DEPTH), integer size
-    (MAX_JSON_INT_DIGITS) and valid UTF-8 strings; a violation or syntax error raises ``error``, one line."""
+    """Parse the JSON ``what`` read from ``where`` with bounded nesting (MAX_JSON_DEPTH), integers (Python's limit
+    of 4,300 digits; the pydantic models bound each value) and valid UTF-8 strings; a violation or syntax error
+    raises ``error``, one line."""
     try:
-        data = json.loads(text, parse_int=_bounded_int)
-        _check_tree(data)
+        if isinstance(text, bytes):
+            text = text.decode("utf-8")
+        data = json.loads(text)
+        _check_depth(data)
+        if len(_SURROGATE_ESCAPE.findall(text)) != 2 * len(_SURROGATE_PAIR.findall(text)):
+            _check_utf8(data)
     except RecursionError:
         raise error(f"{where}: {what} JSON is nested deeper than {MAX_JSON_DEPTH} levels") from None
     except _JSONLimit as e:
@@ -206,7 +219,9 @@ def parse_json(text: str | bytes, error: type[Exception], what: str, where: str 
     except json.JSONDecodeError as e:
         raise error(f"{where} is not a JSON {what}: invalid JSON at line {e.lineno} column {e.colno} ({e.msg}); "
                     "it may be truncated") from None  # fmt: skip
-    except (ValueError, UnicodeDecodeError) as e:  # bytes that are not UTF-8, or Python's own integer limit
+    except ValueError as e:  # bytes that are not UTF-8, or an integer past Python's limit of 4,300 digits
+        if "integer string conversion" in str(e):
+            raise error(f"{where}: {what} JSON holds an integer of more than {sys.get_int_max_str_digits():,} digits") from None
         raise error(f"{where} is not a JSON {what} ({' '.join(str(e).split())[:200]}); it may be truncated") from None
     return data
 

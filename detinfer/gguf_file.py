@@ -14,13 +14,14 @@ import os
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .errors import GGUFError
-from .fileio import atomic_write_text, sha256_file
+from .fileio import atomic_write_text, load_json, sha256_file
 from .paths import detinfer_home
 
 INDEX_VERSION = 1
@@ -141,6 +142,18 @@ def _parse(path: Path) -> dict[str, Any]:
     return {"index_version": INDEX_VERSION, "metadata": metadata, "tensors": tensors}
 
 
+MAX_INDEX_BYTES = 1 << 30  # a cached index holds the whole vocabulary and merges
+
+
+class _Index(BaseModel):
+    """A cached index as :func:`_parse` writes it: (name, ggml type id, dims, data offset) per tensor."""
+
+    model_config = ConfigDict(extra="forbid")
+    index_version: Literal[INDEX_VERSION]  # type: ignore[valid-type]
+    metadata: dict[str, Any]
+    tensors: list[tuple[str, int, list[int], int]]
+
+
 class ModelFile:
     """A validated GGUF file: metadata, tensor table and zero-copy tensor data.
 
@@ -159,13 +172,16 @@ class ModelFile:
             raise GGUFError(f"{self.path.name}: wrong magic {magic!r} (expected b'GGUF'); this is not a GGUF file")
         self.sha256 = sha256_file(self.path)
         index = self._load_index() if use_index else None
+        if index is not None:
+            try:
+                self._validate_index(index)
+            except (GGUFError, ValueError):  # a corrupt or forged cache file: rebuilt from the model file below
+                index = None
         if index is None:
             index = _parse(self.path)
             self._validate_index(index)
             if use_index:
                 atomic_write_text(self._index_path(), json.dumps(index))
-        else:
-            self._validate_index(index)
         self.metadata: dict[str, Any] = index["metadata"]
         self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
 
@@ -173,11 +189,13 @@ class ModelFile:
         return detinfer_home() / "index" / f"{self.sha256}.json"
 
     def _load_index(self) -> dict[str, Any] | None:
+        """The cached index if it is a valid one (bounded JSON, the _Index schema), else None (rebuild it)."""
         try:
-            index = json.loads(self._index_path().read_text())
-        except (OSError, ValueError):
+            index = load_json(self._index_path(), GGUFError, "index cache", max_bytes=MAX_INDEX_BYTES)
+            _Index.model_validate(index)
+            return index
+        except (GGUFError, ValidationError):
             return None
-        return index if isinstance(index, dict) and index.get("index_version") == INDEX_VERSION else None
 
     def _validate_index(self, index: dict[str, Any]) -> None:
         self.tensors: dict[str, TensorInfo] = {}

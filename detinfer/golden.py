@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict
 from .chat import ChatTemplate
 from .engine import Engine
 from .errors import DetinferError
-from .manifest import RunManifest, canonical_json, load_manifest, write_manifest
+from .manifest import RunManifest, TokenId, canonical_json, load_manifest, write_manifest
 from .run import build_prompt, execute, sampling_record
 from .sampler import SamplingParams
 
@@ -76,8 +76,8 @@ class GoldenRecord(BaseModel):
     case: str
     model_sha256: str
     settings: dict
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    prompt_token_ids: list[TokenId]
+    output_token_ids: list[TokenId]
     output_text: str
 
 

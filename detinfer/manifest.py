@@ -16,7 +16,7 @@ import hashlib
 import json
 import platform
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -30,6 +30,10 @@ READABLE_SCHEMAS = (1, 2)  # 1: before ``chat_template``; same fields otherwise
 
 class _Record(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]  # token ids in records: never negative, always an int32
+Count = Annotated[int, Field(ge=0, lt=2**31)]  # positions, token counts
 
 
 def tokens_sha256(tokens: list[int]) -> str:
@@ -55,7 +59,7 @@ class PromptRecord(_Record):
     messages: list[Message] | None = None
     chat: bool
     rendered: str
-    token_ids: list[int]
+    token_ids: list[TokenId]
     tokens_sha256: str
 
 
@@ -69,31 +73,31 @@ class ChatTemplateRecord(_Record):
 
 
 class EngineRecord(_Record):
-    n_ctx: int
+    n_ctx: Count
     kv_type: Literal["f32", "f16"]
 
 
 class SamplingRecord(_Record):
     temperature: float
-    top_k: int
+    top_k: int = Field(ge=0, lt=2**63)
     top_p: float
     min_p: float
     repetition_penalty: float
-    repeat_last_n: int
-    seed: int
-    max_tokens: int
+    repeat_last_n: int = Field(ge=0, lt=2**63)
+    seed: int = Field(ge=0, lt=2**64)
+    max_tokens: Count
     stop: list[str]
     ignore_eos: bool
 
 
 class OutputRecord(_Record):
-    token_ids: list[int]
+    token_ids: list[TokenId]
     text: str
     stop_reason: Literal["eos", "stop", "max_tokens", "length"]
     tokens_sha256: str
     kv_sha256: str
     logits_digests: list[str]
-    top_logits: list[list[tuple[int, float]]]
+    top_logits: list[list[tuple[TokenId, float]]]
 
 
 class Informative(_Record):

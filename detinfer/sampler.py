@@ -81,11 +81,11 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False)
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=0, lt=2**63)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     min_p: float = Field(0.0, ge=0.0, lt=1.0, allow_inf_nan=False)
     repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
-    repeat_last_n: int = Field(64, ge=0)
+    repeat_last_n: int = Field(64, ge=0, lt=2**63)
     seed: int = Field(0, ge=0, lt=U64)
 
     def __init__(self, **data) -> None:

@@ -22,7 +22,7 @@ from .errors import InputError, ManifestError
 from .fileio import atomic_write_text, read_json
 from .generate import GenerationResult, Step, check_prompt, generate
 from .kvcache import KVCache
-from .manifest import ChatTemplateRecord, EngineRecord, ModelRecord, canonical_json
+from .manifest import ChatTemplateRecord, Count, EngineRecord, ModelRecord, TokenId, canonical_json
 from .prefix_cache import PrefixCache
 from .run import first_difference, model_record, recorded_template, template_record, versions
 from .sampler import SamplingParams
@@ -68,14 +68,22 @@ class SessionScript(_Strict):
     turns: list[ScriptTurn] = Field(min_length=1)
 
 
+class _Limits(_Strict):
+    """The generation limits every recorded turn's ``sampling`` holds besides SamplingParams' fields."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    max_tokens: Count
+    stop: list[str]
+
+
 class TurnRecord(_Strict):
     messages: list[ChatMessage]
-    sampling: dict[str, Any]
-    appended_token_ids: list[int]
-    generated_token_ids: list[int]
+    sampling: dict[str, Any]  # effective_sampling(): checked by load_session with _Limits and SamplingParams
+    appended_token_ids: list[TokenId]
+    generated_token_ids: list[TokenId]
     text: str
     stop_reason: str
-    reused_tokens: int
+    reused_tokens: Count
     kv_sha256: str
     logits_digests: list[str]
     template_note: str | None = None
@@ -250,10 +258,25 @@ def load_session(path: str | Path) -> SessionRecord:
         version = data.get("schema_version") if isinstance(data, dict) else None
         raise ManifestError(f"{path}: session schema_version {version!r} is not one this detinfer reads: {', '.join(map(str, READABLE_SESSION_SCHEMAS))}")
     try:
-        return SessionRecord.model_validate(data)
+        record = SessionRecord.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        raise ManifestError(f"{path} is not a valid session record: {'.'.join(str(x) for x in err['loc'])}: {err['msg']}") from None
+        raise _invalid_record(path, e) from None
+    for i, turn in enumerate(record.turns):  # values are checked here, before a replay uses any of them
+        try:
+            _Limits.model_validate(turn.sampling)
+            _params(turn.sampling)
+        except ValidationError as e:
+            raise _invalid_record(path, e, f"turns.{i}.sampling.") from None
+        except InputError as e:
+            raise ManifestError(f"{path} is not a valid session record: turns.{i}.sampling: {e}") from None
+    if not isinstance(record.informative.get("model_path", ""), str):
+        raise ManifestError(f"{path} is not a valid session record: informative.model_path must be a string")
+    return record
+
+
+def _invalid_record(path: Path, e: ValidationError, prefix: str = "") -> ManifestError:
+    err = e.errors()[0]
+    return ManifestError(f"{path} is not a valid session record: {prefix}{'.'.join(str(x) for x in err['loc'])}: {err['msg']}")
 
 
 def run_session(
@@ -348,7 +371,7 @@ def replay_turns(
         if not use_cache:
             cache = engine.new_cache()
         elif kv_dir is not None and i > 0:
-            cache = _restore_snapshot(engine, Path(kv_dir) / f"turn-{i:03d}.detkv", warn) or cache
+            cache = _restore_snapshot(engine, Path(kv_dir) / f"turn-{i:03d}.detkv", record.turns[i - 1].kv_sha256, warn) or cache
         actual = run_turn(engine, conv, cache, [m.model_dump() for m in turn.messages], turn.sampling,
                           appended=turn.appended_token_ids, note=turn.template_note,
                           prefix_cache=prefix_cache if use_cache else None)
@@ -359,12 +382,16 @@ def replay_turns(
     return results
 
 
-def _restore_snapshot(engine: Engine, path: Path, warn: Callable[[str], None] | None) -> KVCache | None:
-    from .errors import DetinferError
+def _restore_snapshot(engine: Engine, path: Path, kv_sha256: str, warn: Callable[[str], None] | None) -> KVCache | None:
+    """The cache saved in ``path``, or None (a miss, with a warning) if it cannot be loaded or its contents do not
+    hash to ``kv_sha256``, the KV hash the session recorded after that turn (a forged or stale snapshot)."""
+    from .errors import DetinferError, KVFileError
     from .kvfile import load_kv
 
     try:
         snap = load_kv(path, model_sha256=engine.model_file.sha256, tokenizer_sha256=engine.tokenizer.hash)
+        if snap.digest() != kv_sha256:
+            raise KVFileError(f"its KV hash {snap.digest()[:16]}… differs from the {kv_sha256[:16]}… the session recorded")
         cache = engine.new_cache()
         cache.restore(snap)
         return cache
