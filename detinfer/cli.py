@@ -36,6 +36,19 @@ ChatTemplateOpt = Annotated[Optional[str], typer.Option(
     "--chat-template", help="Chat template instead of the model's: a built-in format (gemma, chatml) or a jinja file.")]
 
 
+def _check_outputs(files: dict[str, Optional[Path]], dirs: dict[str, Optional[Path]] = {}) -> None:
+    """Before any work: every output option names a regular file or new path (files) or a folder detinfer can write
+    into (dirs); InputError (one line) otherwise. ``{option: path or None}``."""
+    from .fileio import check_output, check_output_dir
+
+    for option, path in files.items():
+        if path is not None:
+            check_output(path, option)
+    for option, path in dirs.items():
+        if path is not None:
+            check_output_dir(path, option)
+
+
 def _fail(e: DetinferError) -> None:
     err.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)  # user text is never markup
     raise typer.Exit(e.exit_code)
@@ -180,6 +193,7 @@ def run(
             sys.stdout.flush()
 
     try:
+        _check_outputs({"--out": out_path})
         parse_kv_type(kv_type)
         set_threads(threads)
         if chunk_size < 1:
@@ -361,6 +375,7 @@ def session_run(
     from .session import load_script, run_session
 
     try:
+        _check_outputs({"--out": out_path}, {"--kv-dir": kv_dir})
         parse_kv_type(kv_type)
         set_threads(threads)
         sc = load_script(script)
@@ -398,6 +413,7 @@ def replay(
     warn = lambda msg: err.print(f"[yellow]warning:[/] {escape(msg)}")  # noqa: E731
     rows = []
     try:
+        _check_outputs({"--out": out_path})
         set_threads(threads)
         files = sorted(session.glob("*.json")) if session.is_dir() else [session]
         if not files:
@@ -473,6 +489,7 @@ def chat(
     from .session import Conversation, TurnSampling, effective_sampling, new_record, run_turn, write_session
 
     try:
+        _check_outputs({"--record": record_path})
         parse_kv_type(kv_type)
         set_threads(threads)
         template = ChatTemplate.from_option(chat_template) if chat_template is not None else None
@@ -531,28 +548,31 @@ def serve(
                                                    help="Require Authorization: Bearer KEY on every request.")] = None,
     send_timeout: Annotated[float, typer.Option("--send-timeout", min=0.1, help="Drop a streaming client that reads nothing for this many seconds.")] = 30.0,
     chat_template: ChatTemplateOpt = None,
+    drain: Annotated[float, typer.Option("--drain", min=0.0, help="On SIGTERM, seconds running requests may finish before they are cancelled.")] = 5.0,
+    read_timeout: Annotated[float, typer.Option("--read-timeout", min=0.1, help="Seconds a client has to send a request's headers, and then its body.")] = 10.0,
 ) -> None:
     """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
-    import uvicorn
-
+    from . import listen
     from .chat import ChatTemplate
     from .engine import Engine, set_threads
     from .server import ServerSettings, create_app
 
     try:
+        _check_outputs({}, {"--record": record_dir})
+        sock = listen.bind(host, port)
         set_threads(threads)  # validate here; the decode worker sets it again on its own thread
         template = ChatTemplate.from_option(chat_template) if chat_template is not None else None
         engine = Engine.load(model, n_ctx=ctx, kv_type=kv_type)
         _compile_kernels(engine)
         settings = ServerSettings(max_queue=max_queue, max_inflight=max_inflight, threads=threads, cache_bytes=cache_bytes,
                                   record_dir=record_dir, api_key=api_key or None, send_timeout=send_timeout,
-                                  chat_template=template)
+                                  chat_template=template, drain_s=drain, body_timeout=read_timeout)
         app_ = create_app(engine, settings)
     except DetinferError as e:
         _fail(e)
     err.print(f"serving {escape(str(engine.model_file.path.name))} on http://{host}:{port}/v1"
               + (" (API key required)" if api_key else ""))
-    uvicorn.run(app_, host=host, port=port, log_level="info")
+    listen.serve(app_, sock, drain_s=drain, header_timeout=read_timeout)
 
 
 bench_app = typer.Typer()

