@@ -243,7 +243,7 @@ def check_output(path: str | os.PathLike, what: str) -> Path:
     path = Path(path)
     try:
         st = os.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # a new path, or one under a file (check_output_dir names it)
         st = None
     except OSError as e:
         raise InputError(f"{what} {path}: cannot write there ({e.strerror or e})") from None

@@ -263,7 +263,6 @@ class Recorder:
         is_new = sess is None
         if sess is None:
             sess = _Session(self.dir / f"session-{self.next_id:06d}.json")
-            self.next_id += 1
             new_messages = messages
         else:
             new_messages = messages[sess.n_messages:] if job.record["chat"] else messages
@@ -286,6 +285,7 @@ class Recorder:
         sess.history = prompt + res.tokens
         sess.n_messages = len(messages) + 1
         if is_new:
+            self.next_id += 1
             self.sessions = self.sessions[-(self.MAX_OPEN - 1):] + [sess]
         return sess.path
 
