@@ -20,10 +20,13 @@ import argparse
 import copy
 import json
 import os
+import queue
+import stat
 import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,8 +35,9 @@ from typing import Any, Callable
 from .errors import DetinferError
 
 TESTS_DIR = Path(__file__).resolve().parents[1] / "tests"
-OK, REJECTED, BAD_MESSAGE, OTHER, CRASH = "ok", "DetinferError", "DetinferError, not one line", "other exception", "crash"
-OUTCOMES = (OK, REJECTED, BAD_MESSAGE, OTHER, CRASH)
+OK, REJECTED, BAD_MESSAGE, OTHER, CRASH, HANG = "ok", "DetinferError", "DetinferError, not one line", "other exception", "crash", "hang"
+OUTCOMES = (OK, REJECTED, BAD_MESSAGE, OTHER, CRASH, HANG)
+HANG_S = 60.0  # an input that keeps its worker silent this long is a hang: the worker is killed and restarted
 
 
 def classify(fn: Callable[[], Any]) -> tuple[str, str]:
@@ -584,6 +588,11 @@ def check_http(corpus: Corpus, case, path: Path) -> None:
     response (JSON with choices, or SSE events ending in [DONE]); a 4xx must carry a one-line JSON error message;
     anything else (a 5xx, a malformed body, an exception escaping the app) breaks the contract."""
     i, edits = case
+    _post(corpus, corpus.http[i]["path"], apply_json_ops(corpus.http[i]["body"], edits, None))
+
+
+def _post(corpus: Corpus, url: str, body: bytes) -> None:
+    """POST ``body`` to the app on the tiny model and check the answer (see :func:`check_http`)."""
     if corpus._client is None:
         from fastapi.testclient import TestClient
 
@@ -591,8 +600,7 @@ def check_http(corpus: Corpus, case, path: Path) -> None:
 
         corpus._client = TestClient(create_app(corpus.engine, ServerSettings(max_queue=4, threads=1, max_body_bytes=1 << 16)))
         corpus._client.__enter__()  # starts the decode worker (the app's lifespan); lives as long as the process
-    body = apply_json_ops(corpus.http[i]["body"], edits, None)
-    r = corpus._client.post(corpus.http[i]["path"], content=body, headers={"Content-Type": "application/json"})
+    r = corpus._client.post(url, content=body, headers={"Content-Type": "application/json"})
     if 400 <= r.status_code < 500:
         msg = r.json()["error"]["message"]
         if not isinstance(msg, str) or not msg.strip() or "\n" in msg:
@@ -609,6 +617,164 @@ def check_http(corpus: Corpus, case, path: Path) -> None:
                 raise AssertionError(f"stream carried an error after a 200: {e[:200]}")
     elif not r.json()["choices"]:
         raise AssertionError("a 200 without choices")
+
+
+# ------------------------------------------------------------------------------------------ issue 16's classes
+
+LOOP_PARTS = (
+    "{% set s = 'x' * 16000000 %}", "{% set s = 'ab' * 4000 %}", "{% set l = range(100000) | list %}",
+    "{% for a in s %}", "{% for b in s %}", "{% for c in l %}", "{% for m in messages %}", "{% for n in messages %}",
+    "{% for ch in messages[0].content %}", "{% endfor %}", "{% set s = s ~ s %}", "{% set s = s ~ messages[0].content %}",
+    "{% set t = s ~ 'y' %}", "{{ s | length }}", "{{ s ~ s }}", "{{ m.content ~ n.content }}", "{{ a }}",
+    "{% set ns = namespace(v='') %}", "{% set ns.v = ns.v ~ s %}", "{{ ns.v | length }}", "{{ s | list | length }}",
+    "{{ (s ~ s) | replace('x', s) }}", "{{ l | join(s) }}", "{{ s * 2 }}", "{% if a %}", "{% endif %}",
+)  # fmt: skip
+
+
+def template_loop_strategy():
+    """(template source, messages): loops over big strings, lists and long message lists, nested, with ``~``
+    concatenation and accumulation; the messages are 1 to 3,000 copies of one message (up to 4,000 characters)."""
+    st = _st()
+    source = st.lists(st.sampled_from(LOOP_PARTS), min_size=1, max_size=10).map("".join)
+    message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]), "content": st.text(max_size=8).map(lambda t: t * 500)})
+    return st.tuples(source, message, st.integers(1, 3000))
+
+
+def check_template_loop(corpus: Corpus, case, path: Path) -> None:
+    """Render: a result or a TemplateError, and in either case within the CPU budget (plus slack): never a hang."""
+    from .chat import MAX_RENDER_CPU_S, ChatTemplate
+
+    source, message, count = case
+    t0 = time.thread_time()
+    try:
+        ChatTemplate(source).render([message] * count)
+    finally:
+        if time.thread_time() - t0 > MAX_RENDER_CPU_S + 2:
+            raise AssertionError(f"render took {time.thread_time() - t0:.1f} s of CPU")
+
+
+def deep_json_strategy(corpus: Corpus):
+    """(input kind, JSON text): a valid input (manifest, session, script, messages, HTTP body) with one value
+    replaced by deep nesting (arrays or objects, up to 200,000 levels), an integer of up to 6,000 digits, or a string
+    with a lone or paired surrogate escape."""
+    st = _st()
+    kinds = ["manifest", "session", "script", "messages", "http"]
+    deep = st.tuples(st.sampled_from(["[", '{"a":']), st.integers(1, 200_000)).map(
+        lambda t: t[0] * t[1] + "0" + ("]" if t[0] == "[" else "}") * t[1])
+    big = st.integers(1, 6000).map(lambda n: "9" * n)
+    surrogate = st.sampled_from(['"\\ud800"', '"x\\udfff"', '"\\ud83d\\ude00"', '"\\udc00\\ud800"'])
+    return st.tuples(st.sampled_from(kinds), st.one_of(deep, big, surrogate), st.integers(0, 1000))
+
+
+def _base_json(corpus: Corpus, kind: str) -> Any:
+    return {"manifest": corpus.manifest, "session": corpus.session, "script": corpus.script,
+            "messages": [{"role": "user", "content": "hi"}], "http": corpus.http[0]["body"] if corpus.http else {}}[kind]  # fmt: skip
+
+
+def check_deep_json(corpus: Corpus, case, path: Path) -> None:
+    """Load the JSON with one value replaced by the hostile text: a result or a one-line DetinferError (a 4xx for
+    the server), never a RecursionError / ValueError traceback or a 500."""
+    from .chat import load_messages
+    from .manifest import load_manifest
+    from .session import load_script, load_session
+
+    kind, hostile, pick = case
+    base = _base_json(corpus, kind)
+    spots = _paths(base)
+    where = spots[pick % len(spots)]
+    marker = "\u0000HOSTILE\u0000"
+    data = copy.deepcopy(base)
+    if where:
+        target = data
+        for key in where[:-1]:
+            target = target[key]
+        target[where[-1]] = marker
+        text = json.dumps(data).replace(json.dumps(marker), hostile, 1)
+    else:
+        text = hostile
+    if kind == "http":
+        _post(corpus, corpus.http[0]["path"], text.encode())
+        return
+    path.write_text(text)
+    {"manifest": load_manifest, "session": load_session, "script": load_script, "messages": load_messages}[kind](path)
+
+
+SPECIAL_KINDS = ("fifo", "dev-zero", "dev-null", "directory", "symlink-loop", "dangling-symlink", "symlink-to-fifo",
+                 "under-a-file", "socket", "sparse-huge", "empty", "regular")  # fmt: skip
+SPECIAL_READERS = ("prompt-file", "messages", "chat-template", "script", "session", "manifest", "kv-inspect", "kv-load")
+SPECIAL_WRITERS = ("out", "record-dir", "atomic-write")
+
+
+def special_files_strategy():
+    """(kind of path, reader or writer, bytes for the regular kinds): every kind of non-regular path (FIFO, device,
+    directory, symlink loop, dangling link, link to a FIFO, a path under a file, a socket) and huge, empty and small
+    regular files, given to every reader of a path and to the writers (``--out``, a record folder, atomic writes)."""
+    st = _st()
+    return st.tuples(st.sampled_from(SPECIAL_KINDS), st.sampled_from(SPECIAL_READERS + SPECIAL_WRITERS), st.binary(max_size=64))
+
+
+def _special_path(folder: Path, kind: str, data: bytes) -> Path:
+    import shutil
+    import socket
+
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    path = folder / "input.json"
+    if kind in ("dev-zero", "dev-null"):
+        return Path("/dev/zero" if kind == "dev-zero" else "/dev/null")
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "symlink-loop":
+        path.symlink_to(path)
+    elif kind == "dangling-symlink":
+        path.symlink_to(folder / "absent")
+    elif kind == "symlink-to-fifo":
+        os.mkfifo(folder / "fifo")
+        path.symlink_to(folder / "fifo")
+    elif kind == "under-a-file":
+        (folder / "file").write_bytes(data)
+        return folder / "file" / "input.json"
+    elif kind == "socket":
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(str(path))
+        s.close()
+    elif kind == "sparse-huge":
+        with open(path, "wb") as f:
+            f.truncate(1 << 40)
+    else:
+        path.write_bytes(b"" if kind == "empty" else data)
+    return path
+
+
+def check_special_file(corpus: Corpus, case, folder: Path) -> None:
+    """Read or write the path: a result or a one-line DetinferError at once (the worker's watchdog counts a hang),
+    and a path that is not a regular file is never replaced by a write."""
+    from .chat import ChatTemplate, load_messages
+    from .fileio import atomic_write_text, check_output, check_output_dir, read_input_text
+    from .errors import InputError
+    from .kvfile import inspect_kv, load_kv
+    from .manifest import load_manifest
+    from .session import load_script, load_session
+
+    kind, op, data = case
+    path = _special_path(folder, kind, data)
+    before = os.lstat(path) if os.path.lexists(path) else None
+    readers: dict[str, Callable[[Path], Any]] = {
+        "prompt-file": lambda p: read_input_text(p, InputError, "prompt file"), "messages": load_messages,
+        "chat-template": ChatTemplate.from_file, "script": load_script, "session": load_session, "manifest": load_manifest,
+        "kv-inspect": inspect_kv, "kv-load": load_kv,
+        "out": lambda p: (check_output(p, "--out"), atomic_write_text(p, "{}")), "record-dir": lambda p: check_output_dir(p, "--record"),
+        "atomic-write": lambda p: atomic_write_text(p, "{}"),
+    }  # fmt: skip
+    try:
+        readers[op](path)
+    finally:
+        if before is not None and not stat.S_ISREG(before.st_mode):
+            after = os.lstat(path)
+            if (after.st_ino, after.st_mode) != (before.st_ino, before.st_mode):
+                raise AssertionError(f"{kind} at {path} was replaced by {op}")
 
 
 @dataclass(frozen=True)
@@ -645,6 +811,19 @@ TARGETS = {
                "streaming chat (logprobs, stop, usage) and a completions request, plus truncation and bit flips of the "
                "body -> POST to the real app on a tiny model (a 4xx with a one-line JSON error counts as a typed refusal)",
                http_strategy, check_http),  # fmt: skip
+        Target("template_loops", "chat templates built from loops over big strings, range lists and up to 3,000 messages "
+               "(nested up to ten deep), `~` concatenation, doublings and namespace accumulation, big joins and replaces "
+               "-> render within the CPU budget or TemplateError",
+               lambda c: template_loop_strategy(), check_template_loop),  # fmt: skip
+        Target("deep_json", "manifests, session records, scripts, messages files and HTTP bodies with one value replaced by "
+               "nesting up to 200,000 levels deep, an integer of up to 6,000 digits, or a lone / paired surrogate escape "
+               "-> load_manifest / load_session / load_script / load_messages / POST to the app",
+               deep_json_strategy, check_deep_json),  # fmt: skip
+        Target("special_files", "FIFOs, /dev/zero, /dev/null, directories, symlink loops, dangling links, links to a FIFO, "
+               "paths under a file, sockets, 1 TiB sparse, empty and small files -> every reader of a path (prompt file, "
+               "messages, chat template, script, session, manifest, kv inspect / load) and writer (--out, a record folder, "
+               "atomic writes); a special file is never replaced",
+               lambda c: special_files_strategy(), check_special_file),  # fmt: skip
     )
 }
 
@@ -698,7 +877,18 @@ def _run_in_worker(name: str, examples: int, seed: int, workdir: Path, log: Call
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         got = 0
         in_flight = "(unknown)"
-        for line in proc.stdout:
+        lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=lambda: ([lines.put(x) for x in proc.stdout], lines.put(None)), daemon=True).start()
+        hung = False
+        while True:
+            try:
+                line = lines.get(timeout=HANG_S if got else max(HANG_S, 600))  # the first input waits for numba's compile
+            except queue.Empty:
+                hung = True
+                proc.kill()
+                break
+            if line is None:
+                break
             rec = json.loads(line)
             if "start" in rec:
                 in_flight = rec["start"]
@@ -711,7 +901,11 @@ def _run_in_worker(name: str, examples: int, seed: int, workdir: Path, log: Call
         proc.wait()
         done += got
         attempt += 1
-        if proc.returncode != 0:
+        if hung:
+            counts[HANG] += 1
+            done += 1
+            failures.append({"outcome": HANG, "detail": f"no answer within {HANG_S:g} s", "case": in_flight})
+        elif proc.returncode != 0:
             if got == 0 and proc.returncode > 0:
                 raise RuntimeError(f"fuzz worker for {name} failed to start:\n{stderr[-2000:]}")
             counts[CRASH] += 1  # the example in flight killed the process
@@ -745,12 +939,12 @@ def report_markdown(results: dict[str, dict]) -> str:
         "bounds-checked numba compile per worker; hypothesis may stop a target early when its strategy has no new",
         "examples left.",
         "",
-        "| target | requested | inputs | ok | DetinferError | DetinferError, not one line | other exception | crash | seconds | commit, date |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| target | requested | inputs | ok | DetinferError | DetinferError, not one line | other exception | crash | hang | seconds | commit, date |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, r in results.items():
         c = r["counts"]
-        lines.append(f"| {name} | {r['examples']} | {sum(c.values())} | " + " | ".join(str(c[o]) for o in OUTCOMES)
+        lines.append(f"| {name} | {r['examples']} | {sum(c.values())} | " + " | ".join(str(c.get(o, 0)) for o in OUTCOMES)
                      + f" | {r['seconds']:.0f} | {r['commit']}, {r['date']} |")  # fmt: skip
     lines += ["", "## Classes of bad input tried", ""]
     for name in results:
@@ -774,9 +968,24 @@ def report_markdown(results: dict[str, dict]) -> str:
         "  against available memory before allocating (which caps max_tokens too), the prefix cache by bytes, and the",
         "  GGUF reader's work: reads past the end of the file and more than 2^23 metadata reads per parse are errors",
         "  (a corrupt array count once made it allocate until the process was killed).",
-        "- Template limits (detinfer/chat.py): at most 2,000,000 counted operations per render (lookups, calls,",
-        "  filters, operators, range() items), 16 MiB of output or for any one string/list/number a template builds,",
-        "  range() of at most 100,000 items; recursion and memory errors become TemplateError.",
+        "- Template limits (detinfer/chat.py), for any template (the model's, a `--chat-template` file, one recorded",
+        "  in a manifest or session): at most 1,000,000 steps per render (every line of the compiled template, so every",
+        "  loop iteration over a string, list or messages, and every Python call, lookup, filter and operator), 1 s of",
+        "  CPU time, 64 MiB of strings and lists built in total, 16 MiB of output or for any one value (`~` is checked",
+        "  before it joins), range() of at most 100,000 items; recursion and memory errors become TemplateError (CLI",
+        "  exit 2, server 400).",
+        "- `tests/test_reliability.py` (issue 16): each reproduction of the second adversarial pass as a test:",
+        "  looping and blowing-up templates in `run`, `run --manifest`, `verify` and the server (slots freed);",
+        "  SIGTERM during a generation and a render (exits within `--drain`); JSON nested 10^5 deep or with",
+        "  5,000-digit integers in every JSON input (exit 2, HTTP 400; `verify` goes on to the next file); corrupt",
+        "  index caches rebuilt; session records and resealed manifests with wrong types or 2^70 token ids; lone",
+        "  surrogates (400 before generating) and a failed recording that leaves the session usable; FIFOs and",
+        "  /dev/zero as every input; `--out` at a FIFO, symlink, directory, path under a file or /proc; port and host;",
+        "  leftovers of killed pulls removed; a forged `.detkv` a cache miss; 404/405 in OpenAI's shape, header and",
+        "  body read timeouts, aborted bodies without tracebacks, `stream_options` without `stream`, UTF-8 API keys.",
+        "- JSON inputs (detinfer/fileio.py): read only from regular files (opened non-blocking, so a FIFO cannot hang",
+        "  a read) of at most 64 MiB, at most 64 levels deep, integers up to Python's 4,300 digits (the pydantic",
+        "  models bound every value), no lone surrogates.",
         "",
         "## Failures",
         "",
@@ -820,7 +1029,7 @@ def main(argv: list[str] | None = None) -> int:
         merged = {n: results.get(n) or kept[n] for n in TARGETS if n in results or n in kept}
         atomic_write_text(counts_file, json.dumps(merged, indent=1) + "\n")
         atomic_write_text(args.report, report_markdown(merged))
-    bad = sum(r["counts"][o] for r in results.values() for o in (BAD_MESSAGE, OTHER, CRASH))
+    bad = sum(r["counts"].get(o, 0) for r in results.values() for o in (BAD_MESSAGE, OTHER, CRASH, HANG))
     print(f"{bad} input(s) broke the contract" if bad else "every input ended in a result or a DetinferError", file=sys.stderr)
     return 1 if bad else 0
 

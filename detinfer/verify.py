@@ -7,6 +7,7 @@ compared. A manifest whose model is missing or has another sha256 is reported as
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,7 +67,7 @@ def collect(paths: Iterable[str | Path]) -> list[Path]:
     for p in map(Path, paths):
         if p.is_dir():
             files.extend(sorted(q for q in p.rglob("*.json") if q.is_file()))
-        elif p.is_file():
+        elif os.path.lexists(p):  # a file, or something that is not (reported as bad input by verify_file)
             files.append(p)
         else:
             raise ManifestError(f"{p} does not exist; pass manifest files or folders")

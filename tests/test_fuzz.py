@@ -24,7 +24,8 @@ from detinfer import fuzz  # noqa: E402
 from detinfer.chat import MAX_RENDER_CHARS, ChatTemplate  # noqa: E402
 from detinfer.errors import TemplateError  # noqa: E402
 
-EXAMPLES = {"gguf": 250, "manifest": 300, "session": 300, "script": 300, "detkv": 300, "template": 300, "http": 200}
+EXAMPLES = {"gguf": 250, "manifest": 300, "session": 300, "script": 300, "detkv": 300, "template": 300, "http": 200,
+            "template_loops": 40, "deep_json": 80, "special_files": 150}
 REPO = Path(__file__).resolve().parents[1]
 
 
