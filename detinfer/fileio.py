@@ -31,13 +31,17 @@ def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
     flushed, fsynced and renamed over ``path`` (then the folder is fsynced so the rename survives a crash).
 
     If the body raises, the temp file is removed and ``path`` is left as it was. A ``path`` that exists and is not
-    a regular file (symbolic link, device, FIFO, directory...) is never replaced: InputError.
+    a regular file (symbolic link, device, FIFO, directory...) is never replaced, and a folder that cannot be made
+    or written is reported: InputError, one line.
     """
     path = Path(path)
     if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
         raise InputError(f"{path} is {_kind(os.lstat(path).st_mode)}; detinfer writes only regular files or new paths")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:  # a parent that is a file, a read-only place...
+        raise InputError(f"cannot write {path}: {e.strerror or e}") from None
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp creates 0600; give the file the mode open() would
         with os.fdopen(fd, "wb") as f:
