@@ -20,7 +20,7 @@ import hashlib
 import json
 import platform
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
@@ -35,6 +35,21 @@ READABLE_SCHEMAS = (1, 2, 3)  # 1: before ``chat_template``; 2: before ``constra
 
 class _Record(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class OmitNone(BaseModel):
+    """Leaves the fields named in OMIT_NONE out of its JSON when they are None, so a record without them serializes
+    (and hashes) exactly as before they existed."""
+
+    OMIT_NONE: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler):
+        data = handler(self)
+        for key in self.OMIT_NONE:
+            if data.get(key, 0) is None:
+                del data[key]
+        return data
 
 
 def tokens_sha256(tokens: list[int]) -> str:
@@ -91,7 +106,7 @@ class SamplingRecord(_Record):
     ignore_eos: bool
 
 
-class OutputRecord(_Record):
+class OutputRecord(OmitNone, _Record):
     token_ids: list[int]
     text: str
     stop_reason: Literal["eos", "stop", "max_tokens", "length"]
@@ -101,13 +116,7 @@ class OutputRecord(_Record):
     top_logits: list[list[tuple[int, float]]]
     mask_digests: list[str] | None = None  # constrained runs only (constrain.mask_digest chain)
 
-    @model_serializer(mode="wrap")
-    def _omit_unconstrained(self, handler):
-        # an unconstrained output serializes (and so hashes) exactly as before schema 3
-        data = handler(self)
-        if data.get("mask_digests") is None:
-            data.pop("mask_digests", None)
-        return data
+    OMIT_NONE = ("mask_digests",)
 
 
 class Informative(_Record):
