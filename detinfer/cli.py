@@ -665,6 +665,29 @@ def bench_kv(
         raise typer.Exit(1)
 
 
+@bench_app.command("constraint")
+def bench_constraint(
+    model: ModelOpt = None,
+    threads: ThreadsOpt = 1,
+    tokens: Annotated[int, typer.Option("--tokens", help="Tokens decoded per run.")] = 128,
+    runs: Annotated[int, typer.Option("--runs", help="Runs per arm, interleaved; the minimum of each is compared.")] = 5,
+) -> None:
+    """Decode time with a JSON-schema constraint (the allowed-token mask) vs without: same prompt, same token count."""
+    from .bench_constraint import OVERHEAD_LIMIT, bench_constraint as run_bench
+    from .engine import Engine, set_threads
+
+    try:
+        n_threads = set_threads(threads)
+        engine = Engine.load(model, n_ctx=512)
+        with err.status("decoding with and without the constraint…"):
+            b = run_bench(engine, tokens, runs, warn=_warn)
+    except DetinferError as e:
+        _fail(e)
+    out.print(f"{b.tokens} tokens at {n_threads} thread(s), {runs} interleaved runs per arm: decode without constraint "
+              f"min {min(b.free_s):.3f} s, with JSON-schema constraint min {min(b.constrained_s):.3f} s; "
+              f"mask overhead {b.overhead:+.1%} (limit {OVERHEAD_LIMIT:.0%})")
+
+
 def _summary(m, out_path: Optional[Path]) -> None:
     t = m.informative.timings
     err.print(

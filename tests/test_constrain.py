@@ -14,7 +14,7 @@ import pytest
 from cli_helpers import cli
 from detinfer.constrain import MAX_CONSTRAINT_BYTES, Constraint, Guide, json_schema_constraint, tool_call_constraint
 from detinfer.engine import Engine, set_threads
-from detinfer.errors import ConstraintError, ManifestError
+from detinfer.errors import ConstraintError, InputError, ManifestError
 from detinfer.generate import GenerationResult, generate
 from detinfer.manifest import SCHEMA_VERSION, canonical_json, load_manifest
 from detinfer.run import build_prompt, execute, reexecute, sampling_record
@@ -255,3 +255,13 @@ def test_session_script_bad_constraint_fails_before_any_turn(engine, tmp_path):
     with pytest.raises(ConstraintError, match="turn 2: invalid regex"):
         run_session(engine, turns, TurnSampling(max_tokens=4), out=out)
     assert not out.exists()
+
+
+def test_bench_constraint_arms_decode_the_same_token_count(engine):
+    from detinfer.bench_constraint import bench_constraint
+
+    b = bench_constraint(engine, tokens=6, runs=1)
+    assert len(b.free_s) == len(b.constrained_s) == 1 and min(b.free_s) > 0 and min(b.constrained_s) > 0
+    assert b.overhead == min(b.constrained_s) / min(b.free_s) - 1
+    with pytest.raises(InputError, match="--tokens"):
+        bench_constraint(engine, tokens=1)
