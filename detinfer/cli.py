@@ -227,7 +227,9 @@ def run(
                 write_manifest(actual, out_path)
             _summary(actual, out_path)
             if comparison.match:
-                err.print(f"[bold green]match[/]: tokens, KV hash and all {len(actual.output.logits_digests)} logits digests equal {escape(str(manifest))}")
+                masks = f" and {len(actual.output.mask_digests)} mask digests" if actual.output.mask_digests is not None else ""
+                err.print(f"[bold green]match[/]: tokens, KV hash and all {len(actual.output.logits_digests)} logits digests{masks} "
+                          f"equal {escape(str(manifest))}")
                 return
             for d in comparison.differences:
                 err.print(f"[bold red]mismatch[/] {d.field}: expected {escape(d.expected)} got {escape(d.actual)}", soft_wrap=True)

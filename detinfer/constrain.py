@@ -154,8 +154,8 @@ def tool_call_constraint(tools: list[dict], name: str | None = None, prefix: str
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     if not prefix and not suffix:
         return json_schema_constraint(schema)
-    parts = [json.dumps(p, ensure_ascii=False) for p in (prefix, suffix)]
-    body = " ".join(x for x, p in zip((parts[0], "call", parts[1]), (prefix, "call", suffix)) if p)
+    literal = lambda text: [json.dumps(text, ensure_ascii=False)] if text else []  # noqa: E731 (a Lark string)
+    body = " ".join(literal(prefix) + ["call"] + literal(suffix))
     return Constraint.create("lark", f"start: {body}\ncall: %json {json.dumps(schema, ensure_ascii=False)}\n")
 
 
@@ -234,7 +234,8 @@ class Guide:
     def mask(self, logits: np.ndarray) -> np.ndarray:
         """float32[n_vocab] logits with every token the grammar does not allow next set to -inf (a new array); extends
         the mask digest chain. ConstraintError if the grammar allows no token (it cannot be completed)."""
-        allowed, self._first = (self._first, None) if self._first is not None else (self._allowed(), None)
+        allowed = self._first if self._first is not None else self._allowed()
+        self._first = None
         n = logits.shape[0]
         allowed = np.concatenate([allowed, np.zeros(max(0, n - allowed.shape[0]), np.bool_)])[:n]
         self._fail("the constraint failed")

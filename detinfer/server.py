@@ -7,7 +7,7 @@ prepare (template + tokenize, at most ``--max-inflight`` at once, in threads) ->
 The decode worker never waits for a client: a stream buffers at most its own ``max_tokens`` steps, and a client
 that stops reading for ``--send-timeout`` seconds is dropped, so it cannot hold its admission slot forever.
 
-Determinism: output depends only on (prompt token ids, temperature, top_p, seed, max tokens, stop), never on
+Determinism: output depends only on (prompt token ids, temperature, top_p, seed, max tokens, stop, constraint), never on
 queueing, streaming or the prefix cache (reuse is exact, see prefix_cache.py). Defaults follow OpenAI where it has
 one: temperature 1, top_p 1; ``seed`` defaults to 0 (OpenAI has no fixed default), max tokens to the rest of the
 context for chat and 16 for /v1/completions.
