@@ -142,7 +142,25 @@ def info(
 
 # run options a manifest records: passing them with --manifest would be silently ignored, so it is an error
 _RECORDED_OPTIONS = {"prompt", "prompt_file", "messages", "chat", "chat_template", "max_tokens", "temperature", "top_k", "top_p", "min_p",
-                     "repeat_penalty", "repeat_last_n", "seed", "stop", "ignore_eos", "ctx", "kv_type"}
+                     "repeat_penalty", "repeat_last_n", "seed", "stop", "ignore_eos", "ctx", "kv_type",
+                     "json_schema", "json_object", "regex", "grammar"}
+
+
+def _constraint_option(json_schema: Path | None, json_object: bool, regex: str | None, grammar: Path | None):
+    """The constraint of run's --json-schema / --json / --regex / --grammar (at most one), or None."""
+    from .constrain import Constraint
+
+    given = [o for o, v in (("--json-schema", json_schema), ("--json", json_object or None), ("--regex", regex), ("--grammar", grammar))
+             if v is not None]  # fmt: skip
+    if len(given) > 1:
+        raise InputError(f"give at most one constraint; got {', '.join(given)}")
+    if json_schema is not None:
+        return Constraint.from_file("json_schema", json_schema)
+    if grammar is not None:
+        return Constraint.from_file("lark", grammar)
+    if regex is not None:
+        return Constraint.create("regex", regex)
+    return Constraint.create("json_object") if json_object else None
 
 
 def _read_prompt_file(path: Path) -> str:
@@ -177,6 +195,10 @@ def run(
     chunk_size: Annotated[int, typer.Option("--chunk-size", help="Prefill tokens per chunk. Never changes a result.")] = 64,
     out_path: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the run manifest here.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Do not stream tokens; print only the summary.")] = False,
+    json_schema: Annotated[Optional[Path], typer.Option("--json-schema", help="Constrain the output to this JSON Schema (file).")] = None,
+    json_object: Annotated[bool, typer.Option("--json", help="Constrain the output to a JSON object.")] = False,
+    regex: Annotated[Optional[str], typer.Option("--regex", help="Constrain the output to match this regex.")] = None,
+    grammar: Annotated[Optional[Path], typer.Option("--grammar", help="Constrain the output to this Lark grammar (file).")] = None,
 ) -> None:
     """Generate text and record a run manifest; or re-execute one with --manifest."""
     from .engine import Engine, set_threads
@@ -186,6 +208,7 @@ def run(
     from .run import build_prompt, engine_for_manifest, execute, reexecute, sampling_record
     from .sampler import SamplingParams
     from .chat import ChatTemplate, load_messages
+    from .constrain import check_ignore_eos
 
     def stream(step) -> None:
         if not quiet and step.text:
@@ -213,7 +236,9 @@ def run(
                 write_manifest(actual, out_path)
             _summary(actual, out_path)
             if comparison.match:
-                err.print(f"[bold green]match[/]: tokens, KV hash and all {len(actual.output.logits_digests)} logits digests equal {escape(str(manifest))}")
+                masks = f" and {len(actual.output.mask_digests)} mask digests" if actual.output.mask_digests is not None else ""
+                err.print(f"[bold green]match[/]: tokens, KV hash and all {len(actual.output.logits_digests)} logits digests{masks} "
+                          f"equal {escape(str(manifest))}")
                 return
             for d in comparison.differences:
                 err.print(f"[bold red]mismatch[/] {d.field}: expected {escape(d.expected)} got {escape(d.actual)}", soft_wrap=True)
@@ -233,13 +258,18 @@ def run(
             repetition_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed,
         )
         sampling = sampling_record(params, max_tokens=max_tokens, stop=stop or [], ignore_eos=ignore_eos)
+        constraint = _constraint_option(json_schema, json_object, regex, grammar)
+        check_ignore_eos(constraint, ignore_eos)
         engine = Engine.load(model, n_ctx=ctx, kv_type=kv_type)
         prompt_record = build_prompt(engine, text=text, messages=msgs, chat=chat, template=template)
         check_prompt(engine, prompt_record.token_ids)  # before warming up: a bad prompt should fail fast
+        if constraint is not None:
+            constraint.check(engine.tokenizer)
         _compile_kernels(engine)
         if not quiet:
             err.print(f"[dim]{escape(engine.model_file.path.name)}: {len(prompt_record.token_ids)} prompt tokens[/]")
-        result = execute(engine, prompt_record, sampling, chunk_size=chunk_size, on_step=stream, template=template)
+        result = execute(engine, prompt_record, sampling, chunk_size=chunk_size, on_step=stream, template=template,
+                         constraint=constraint)
         if not quiet:
             sys.stdout.write("\n")
         if out_path is not None:
@@ -650,6 +680,29 @@ def bench_kv(
               + f" in {kv.compared_tokens} steps compared" + (f"; plot: {escape(str(plot))}" if plot else ""))
     if not kv.tokens_identical:
         raise typer.Exit(1)
+
+
+@bench_app.command("constraint")
+def bench_constraint(
+    model: ModelOpt = None,
+    threads: ThreadsOpt = 1,
+    tokens: Annotated[int, typer.Option("--tokens", help="Tokens decoded per run.")] = 128,
+    runs: Annotated[int, typer.Option("--runs", help="Runs per arm, interleaved; the minimum of each is compared.")] = 5,
+) -> None:
+    """Decode time with a JSON-schema constraint (the allowed-token mask) vs without: same prompt, same token count."""
+    from .bench_constraint import OVERHEAD_LIMIT, bench_constraint as run_bench
+    from .engine import Engine, set_threads
+
+    try:
+        n_threads = set_threads(threads)
+        engine = Engine.load(model, n_ctx=512)
+        with err.status("decoding with and without the constraint…"):
+            b = run_bench(engine, tokens, runs, warn=_warn)
+    except DetinferError as e:
+        _fail(e)
+    out.print(f"{b.tokens} tokens at {n_threads} thread(s), {runs} interleaved runs per arm: decode without constraint "
+              f"min {min(b.free_s):.3f} s, with JSON-schema constraint min {min(b.constrained_s):.3f} s; "
+              f"mask overhead {b.overhead:+.1%} (limit {OVERHEAD_LIMIT:.0%})")
 
 
 def _summary(m, out_path: Optional[Path]) -> None:

@@ -34,6 +34,10 @@ class InputError(DetinferError):
     """A prompt, option or parameter value that is invalid (empty prompt, too long, bad sampling value...)."""
 
 
+class ConstraintError(InputError):
+    """A constraint (JSON Schema, regex, Lark grammar) that is invalid, unsupported, too large or can never match."""
+
+
 class KVTypeError(InputError):
     """A quantized KV cache type was requested: it breaks the determinism contract."""
 

@@ -14,6 +14,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from .constrain import Constraint, Guide, check_ignore_eos
 from .engine import DEFAULT_CHUNK, Engine
 from .errors import InputError
 from .kvcache import KVCache
@@ -43,6 +44,7 @@ class Step:
     # token, and the k highest (id, logprob) in top_logits order (highest first, ties by lowest id).
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    mask_digest: str | None = None  # only with a constraint: the mask digest chain at this step
 
 
 @dataclass
@@ -71,6 +73,7 @@ class GenerationResult:
     digests: list[str] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)  # only with logprobs_k
+    mask_digests: list[str] = field(default_factory=list)  # only with a constraint
     kv_sha256: str = ""
     reused_tokens: int = 0
     timings: Timings = field(default_factory=Timings)
@@ -128,6 +131,7 @@ def generate(
     cache: KVCache | None = None,
     result: GenerationResult | None = None,
     logprobs_k: int | None = None,
+    constraint: Constraint | None = None,
 ) -> Iterator[Step]:
     """Prefill ``prompt_tokens`` and generate up to ``max_tokens`` tokens, yielding one Step per token.
 
@@ -139,13 +143,20 @@ def generate(
     needs p < n_ctx). ``result`` (optional) is filled in as the stream advances, with the final KV digest at the
     end. ``logprobs_k`` (optional, 0..n_vocab; default off, costing nothing) adds to each sampled Step, and to
     ``result.logprobs``, the logprob of the sampled token and the ``logprobs_k`` most likely tokens under the raw
-    logits (see Step). Raises InputError for an empty or too-long prompt, or max_tokens < 1.
+    logits (see Step). ``constraint`` (optional): before each sampled token, the tokens its grammar does not allow
+    next get -inf logits (constrain.Guide); end-of-generation tokens are allowed only where the grammar accepts. Digests,
+    top logits and logprobs stay those of the raw logits; each step's mask digest goes to ``Step.mask_digest`` and
+    ``result.mask_digests``. Raises InputError for an empty or too-long prompt, or max_tokens < 1; ConstraintError
+    for a constraint that does not compile, with ``ignore_eos`` (the grammar ends with an end token), or that can
+    no longer be completed.
     """
     check_prompt(engine, prompt_tokens)
     if max_tokens < 1:
         raise InputError(f"--max-tokens must be at least 1, got {max_tokens}")
     if logprobs_k is not None and (isinstance(logprobs_k, bool) or not isinstance(logprobs_k, int) or logprobs_k < 0):
         raise InputError(f"logprobs_k must be an int >= 0 or None, got {logprobs_k!r}")
+    check_ignore_eos(constraint, ignore_eos)
+    guide = Guide(constraint, engine.tokenizer) if constraint is not None else None
     res = result if result is not None else GenerationResult()
     cache = cache if cache is not None else engine.new_cache()
     reused = cache.keep_prefix(prompt_tokens)
@@ -168,7 +179,13 @@ def generate(
             res.kv_sha256 = cache.digest()
             yield Step(index, position, None, matcher.finish(), digest, [], "length")
             return
-        token = sample(logits, params, position, history)
+        mdigest = None
+        if guide is not None:
+            token = sample(guide.mask(logits), params, position, history)
+            mdigest = guide.digest
+            res.mask_digests.append(mdigest)
+        else:
+            token = sample(logits, params, position, history)
         digest = chain_digest(digest, logits)
         top = top_logits(logits, 5)
         lp, top_lp = None, None
@@ -185,6 +202,8 @@ def generate(
         if token in eog:
             reason, text = "eos", matcher.finish()
         else:
+            if guide is not None:
+                guide.consume(token)
             text, hit = matcher.push(decoder.feed(token))
             reason = "stop" if hit else "max_tokens" if index + 1 >= max_tokens else "length" if position + 1 >= engine.n_ctx else None
             if reason in ("max_tokens", "length"):
@@ -195,8 +214,8 @@ def generate(
             res.timings.decode_s = time.perf_counter() - t0
             res.timings.decode_tokens = index
             res.kv_sha256 = cache.digest()
-            yield Step(index, position, token, text, digest, top, reason, lp, top_lp)
+            yield Step(index, position, token, text, digest, top, reason, lp, top_lp, mdigest)
             return
-        yield Step(index, position, token, text, digest, top, None, lp, top_lp)
+        yield Step(index, position, token, text, digest, top, None, lp, top_lp, mdigest)
         logits = engine.forward([token], cache)
         index += 1

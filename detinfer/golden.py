@@ -18,6 +18,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from .chat import ChatTemplate
+from .constrain import Constraint
 from .engine import Engine
 from .errors import DetinferError
 from .manifest import RunManifest, TokenId, canonical_json, load_manifest, write_manifest
@@ -45,9 +46,15 @@ class Case:
     n_ctx: int = 2048
     model: str | None = None  # registry name; None: the default model
     chat_template: str | None = None  # --chat-template NAME for a model without its own
+    constraint: tuple[str, str] | None = None  # (kind, text) of constrain.Constraint
 
 
 GEMMA3 = "gemma3-270m-q4_k_m"
+PERSON_SCHEMA = (
+    '{"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}, '
+    '"city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]}, "hobbies": {"type": "array", "items": '
+    '{"type": "string"}, "maxItems": 3}}, "required": ["name", "age", "city", "hobbies"], "additionalProperties": false}'
+)
 
 
 CASES = (
@@ -65,6 +72,11 @@ CASES = (
     Case("gemma3_seeded_sampling", "Once upon a time, in a small village at the edge of a great forest, there lived a", sampling={"temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": 1234}, max_tokens=40, model=GEMMA3),
     Case("gemma3_long_prompt", LONG_TEXT, max_tokens=16, model=GEMMA3),  # longer than the 512-token sliding window
     Case("gemma3_unicode_emoji", "Traduis en français : I love 🍕 and ☕ — 日本語も少し。 Emoji: 🎉👍", max_tokens=24, model=GEMMA3),
+    Case("constraint_json_schema", "Describe a person as JSON.", chat=True, max_tokens=64, constraint=("json_schema", PERSON_SCHEMA)),
+    Case("constraint_json_object", "Give a JSON object with your name.", chat=True, max_tokens=64,
+         sampling={"temperature": 0.8, "top_p": 0.9, "seed": 2}, constraint=("json_object", "")),
+    Case("constraint_regex", "What is 6 times 7?", chat=True, sampling={"temperature": 0.7, "seed": 3}, constraint=("regex", "[0-9]{1,3}")),
+    Case("constraint_lark", "Pick a color.", chat=True, constraint=("lark", 'start: "color: " COLOR\nCOLOR: "red" | "green" | "blue"\n')),
 )
 
 
@@ -92,14 +104,16 @@ def run_case(engines: dict, case: Case, model: str | None = None) -> RunManifest
     template = ChatTemplate.from_option(case.chat_template) if case.chat_template else None
     prompt = build_prompt(engine, text=case.text, chat=case.chat, template=template)
     sampling = sampling_record(SamplingParams.create(**case.sampling), max_tokens=case.max_tokens, stop=case.stop, ignore_eos=case.ignore_eos)
-    return execute(engine, prompt, sampling, template=template)
+    constraint = Constraint.create(*case.constraint) if case.constraint else None
+    return execute(engine, prompt, sampling, template=template, constraint=constraint)
 
 
 def golden_record(case: Case, m: RunManifest) -> GoldenRecord:
     return GoldenRecord(
         case=case.name,
         model_sha256=m.model.sha256,
-        settings={"chat": case.chat, **m.sampling.model_dump(), **m.engine.model_dump()},
+        settings={"chat": case.chat, **m.sampling.model_dump(), **m.engine.model_dump(),
+                  **({"constraint": m.constraint.model_dump()} if m.constraint else {})},
         prompt_token_ids=m.prompt.token_ids,
         output_token_ids=m.output.token_ids,
         output_text=m.output.text,

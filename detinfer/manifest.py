@@ -8,6 +8,10 @@ is caught and the edited section named.
 Schema 2 added ``chat_template``: which template a chat prompt was rendered with when it was not the model's own
 (a jinja file or a built-in format), with its text, so ``run --manifest`` and ``verify`` render it again without
 the file. It is a contract section only when present, so schema-1 manifests load and verify unchanged.
+
+Schema 3 added ``constraint`` (constrain.Constraint: kind, full text, sha256), a contract section when present, and
+``output.mask_digests`` (the chain of each step's allowed-token mask), written only for a constrained run; schema-1
+and -2 manifests have neither and load and verify unchanged.
 """
 
 from __future__ import annotations
@@ -16,16 +20,17 @@ import hashlib
 import json
 import platform
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
+from .constrain import Constraint
 from .errors import KVTypeError, ManifestError
 from .fileio import atomic_write_text, read_json
 from .kvcache import KV_QUANT_REASON, QUANTIZED_KV_TYPES
 
-SCHEMA_VERSION = 2
-READABLE_SCHEMAS = (1, 2)  # 1: before ``chat_template``; same fields otherwise
+SCHEMA_VERSION = 3
+READABLE_SCHEMAS = (1, 2, 3)  # 1: before ``chat_template``; 2: before ``constraint``; same fields otherwise
 
 
 class _Record(BaseModel):
@@ -34,6 +39,21 @@ class _Record(BaseModel):
 
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]  # token ids in records: never negative, always an int32
 Count = Annotated[int, Field(ge=0, lt=2**31)]  # positions, token counts
+
+
+class OmitNone(BaseModel):
+    """Leaves the fields named in OMIT_NONE out of its JSON when they are None, so a record without them serializes
+    (and hashes) exactly as before they existed."""
+
+    OMIT_NONE: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler):
+        data = handler(self)
+        for key in self.OMIT_NONE:
+            if data.get(key, 0) is None:
+                del data[key]
+        return data
 
 
 def tokens_sha256(tokens: list[int]) -> str:
@@ -90,7 +110,7 @@ class SamplingRecord(_Record):
     ignore_eos: bool
 
 
-class OutputRecord(_Record):
+class OutputRecord(OmitNone, _Record):
     token_ids: list[TokenId]
     text: str
     stop_reason: Literal["eos", "stop", "max_tokens", "length"]
@@ -98,6 +118,9 @@ class OutputRecord(_Record):
     kv_sha256: str
     logits_digests: list[str]
     top_logits: list[list[tuple[TokenId, float]]]
+    mask_digests: list[str] | None = None  # constrained runs only (constrain.mask_digest chain)
+
+    OMIT_NONE = ("mask_digests",)
 
 
 class Informative(_Record):
@@ -110,17 +133,18 @@ class Informative(_Record):
 
 
 CONTRACT_FIELDS = ("model", "tokenizer_sha256", "chat_template_sha256", "prompt", "sampling", "engine", "output")
-OPTIONAL_CONTRACT_FIELDS = ("chat_template",)  # contract sections when present (not None)
+OPTIONAL_CONTRACT_FIELDS = ("chat_template", "constraint")  # contract sections when present (not None)
 
 
 class RunManifest(_Record):
     """A recorded run. Load with :func:`load_manifest`, write with :func:`write_manifest`."""
 
-    schema_version: Literal[1, 2] = SCHEMA_VERSION
+    schema_version: Literal[1, 2, 3] = SCHEMA_VERSION
     model: ModelRecord
     tokenizer_sha256: str
     chat_template_sha256: str | None
     chat_template: ChatTemplateRecord | None = None
+    constraint: Constraint | None = None
     prompt: PromptRecord
     sampling: SamplingRecord
     engine: EngineRecord
@@ -195,6 +219,8 @@ def load_manifest(path: str | Path) -> RunManifest:
         if tokens_sha256(section.token_ids) != section.tokens_sha256:
             name = "prompt" if section is manifest.prompt else "output"
             raise ManifestError(f"{path}: {name}.token_ids do not match {name}.tokens_sha256; the manifest was edited")
+    if manifest.constraint is not None:
+        manifest.constraint.check_sha256()
     expected = manifest.compute_section_sha256()
     edited = [k for k in manifest.contract_fields() if manifest.section_sha256.get(k) != expected[k]]
     edited += [k for k in OPTIONAL_CONTRACT_FIELDS if k in manifest.section_sha256 and k not in expected]  # removed

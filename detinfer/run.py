@@ -14,7 +14,9 @@ import numpy as np
 import llvmlite
 
 from . import __version__
+from . import constrain
 from .chat import BUILTIN_TEMPLATES, ChatTemplate
+from .constrain import Constraint
 from .engine import DEFAULT_CHUNK, Engine
 from .errors import InputError, ManifestError, TemplateError
 from .generate import GenerationResult, Step, generate
@@ -37,7 +39,8 @@ from .sampler import SamplingParams
 
 def versions() -> dict[str, str]:
     """Versions of the libraries whose code computes the numbers."""
-    return {"detinfer": __version__, "numba": numba.__version__, "llvmlite": llvmlite.__version__, "numpy": np.__version__}
+    return {"detinfer": __version__, "numba": numba.__version__, "llvmlite": llvmlite.__version__, "numpy": np.__version__,
+            **constrain.version()}
 
 
 def build_prompt(engine: Engine, *, text: str | None = None, messages: list[dict] | None = None, chat: bool = False,
@@ -127,11 +130,13 @@ def execute(
     chunk_size: int = DEFAULT_CHUNK,
     on_step: Callable[[Step], None] | None = None,
     template: ChatTemplate | None = None,
+    constraint: Constraint | None = None,
 ) -> RunManifest:
     """Generate from ``prompt`` with ``sampling`` and return the (sealed) manifest of the run.
 
     ``on_step`` is called for every step as it is produced (e.g. to stream text to a terminal). ``template``: the
-    chat template ``build_prompt`` was given, recorded with its text unless it is the model's own.
+    chat template ``build_prompt`` was given, recorded with its text unless it is the model's own. ``constraint``:
+    the grammar the output must match (recorded as the ``constraint`` section, with the mask digest chain).
     """
     params = SamplingParams.from_dict(sampling.model_dump(exclude={"max_tokens", "stop", "ignore_eos"}))
     res = GenerationResult()
@@ -144,6 +149,7 @@ def execute(
         ignore_eos=sampling.ignore_eos,
         chunk_size=chunk_size,
         result=res,
+        constraint=constraint,
     ):
         if on_step is not None:
             on_step(step)
@@ -155,12 +161,14 @@ def execute(
         kv_sha256=res.kv_sha256,
         logits_digests=res.digests,
         top_logits=[list(t) for t in res.top],
+        mask_digests=res.mask_digests if constraint is not None else None,
     )
     return RunManifest(
         model=model_record(engine),
         tokenizer_sha256=engine.tokenizer.hash,
         chat_template_sha256=used.hash if (used := template or engine.chat_template) else None,
         chat_template=template_record(template) if prompt.chat else None,
+        constraint=constraint,
         prompt=prompt,
         sampling=sampling,
         engine=EngineRecord(n_ctx=engine.n_ctx, kv_type=engine.kv_type),
@@ -208,14 +216,17 @@ def compare(expected: RunManifest, actual: RunManifest) -> Comparison:
     check("tokenizer_sha256", expected.tokenizer_sha256, actual.tokenizer_sha256)
     check("chat_template_sha256", expected.chat_template_sha256, actual.chat_template_sha256)
     check("chat_template", expected.chat_template, actual.chat_template)
+    check("constraint", expected.constraint, actual.constraint)
     check("prompt.tokens_sha256", expected.prompt.tokens_sha256, actual.prompt.tokens_sha256)
     check("output.token_ids", expected.output.token_ids, actual.output.token_ids)
     check("output.text", expected.output.text, actual.output.text)
     check("output.stop_reason", expected.output.stop_reason, actual.output.stop_reason)
     check("output.kv_sha256", expected.output.kv_sha256, actual.output.kv_sha256)
     check("output.logits_digests", expected.output.logits_digests, actual.output.logits_digests)
+    check("output.mask_digests", expected.output.mask_digests, actual.output.mask_digests)
     # a digest differs before the token sampled from it, but an edited (re-sealed) manifest can differ in a token only
     firsts = [first_difference(expected.output.logits_digests, actual.output.logits_digests),
+              first_difference(expected.output.mask_digests or [], actual.output.mask_digests or []),
               first_difference(expected.output.token_ids, actual.output.token_ids)]
     return Comparison(tuple(diffs), min((i for i in firsts if i is not None), default=None))
 
@@ -261,7 +272,8 @@ def reexecute(manifest: RunManifest, engine: Engine, *, chunk_size: int = DEFAUL
     template = recorded_template(manifest)
     retokenized = build_prompt(engine, text=p.text, messages=[m.model_dump() for m in p.messages] if p.messages and p.text is None else None,
                                chat=p.chat, template=template)
-    actual = execute(engine, p, manifest.sampling, chunk_size=chunk_size, on_step=on_step, template=template)
+    actual = execute(engine, p, manifest.sampling, chunk_size=chunk_size, on_step=on_step, template=template,
+                     constraint=manifest.constraint)
     comparison = compare(manifest, actual)
     if retokenized.token_ids != p.token_ids:
         extra = Difference("prompt.token_ids (re-tokenized)", *excerpts(p.token_ids, retokenized.token_ids))

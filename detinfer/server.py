@@ -7,7 +7,7 @@ prepare (template + tokenize, at most ``--max-inflight`` at once, in threads) ->
 The decode worker never waits for a client: a stream buffers at most its own ``max_tokens`` steps, and a client
 that stops reading for ``--send-timeout`` seconds is dropped, so it cannot hold its admission slot forever.
 
-Determinism: output depends only on (prompt token ids, temperature, top_p, seed, max tokens, stop), never on
+Determinism: output depends only on (prompt token ids, temperature, top_p, seed, max tokens, stop, constraint), never on
 queueing, streaming or the prefix cache (reuse is exact, see prefix_cache.py). Defaults follow OpenAI where it has
 one: temperature 1, top_p 1; ``seed`` defaults to 0 (OpenAI has no fixed default), max tokens to the rest of the
 context for chat and 16 for /v1/completions.
@@ -47,8 +47,9 @@ from starlette.requests import ClientDisconnect
 
 from . import __version__
 from .chat import ChatTemplate
+from .constrain import Constraint, json_schema_constraint, tool_call_constraint
 from .engine import Engine, set_threads
-from .errors import DetinferError
+from .errors import ConstraintError, DetinferError
 from .fileio import parse_json
 from .generate import DIGEST_SEED, GenerationResult, Step, check_prompt, generate
 from .manifest import tokens_sha256
@@ -60,6 +61,7 @@ MAX_BODY_BYTES = 1 << 20
 BODY_TIMEOUT_S = 30.0
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 FINISH = {"eos": "stop", "stop": "stop", "max_tokens": "length", "length": "length"}
+TOOL_CALLS = "tool_calls"  # finish_reason of a completed required / named tool call
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -140,6 +142,38 @@ class StreamOptions(_Req):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Req):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # accepted; the schema is enforced either way
+
+
+class ResponseFormat(_Req):
+    """``{"type": "text"}`` (no constraint), ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {...}}``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> Constraint | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return Constraint.create("json_object")
+        if self.json_schema is None:
+            raise ApiError(400, "response_format of type json_schema needs a json_schema object", param="response_format.json_schema")
+        return json_schema_constraint(self.json_schema.schema_ if self.json_schema.schema_ is not None else {})
+
+
+class FunctionName(_Req):
+    name: str
+
+
+class NamedToolChoice(_Req):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class _Sampling(_Req):
     """Parameters shared by both endpoints. Ranges are OpenAI's; seed is the sampler's (0 <= seed < 2**64)."""
 
@@ -177,7 +211,8 @@ class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto"] | None = None  # "required" / a named function cannot be enforced
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # required / named: a constraint
+    response_format: ResponseFormat | None = None
     parallel_tool_calls: bool | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -190,6 +225,24 @@ class ChatRequest(_Sampling):
     @property
     def logprobs_k(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def forces_tool_call(self) -> bool:
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    def constraint(self) -> Constraint | None:
+        """The constraint this request asks for: one tool call for tool_choice required / named (a plain JSON object
+        ``{"name", "arguments"}``), else the response_format's; ApiError 400 naming the parameter if it is invalid."""
+        param = "tool_choice" if self.forces_tool_call else "response_format"
+        try:
+            if self.forces_tool_call:
+                if not self.tools:
+                    raise ConstraintError(f"tool_choice {self.tool_choice!r} needs tools")
+                name = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+                return tool_call_constraint(self.tools, name)
+            return self.response_format.constraint() if self.response_format is not None else None
+        except ConstraintError as e:
+            raise ApiError(400, str(e), param=param, code="invalid_value") from None
 
 
 class CompletionRequest(_Sampling):
@@ -228,6 +281,8 @@ class Job:
     stream: bool
     record: dict[str, Any] | None = None  # messages and note for the session recorder
     logprobs_k: int | None = None  # None: no logprobs; else the top list's length (generate's logprobs_k)
+    constraint: Constraint | None = None
+    tool_call: bool = False  # the constraint is a tool call: the reply is message.tool_calls
     cancel: threading.Event = field(default_factory=threading.Event)
 
 
@@ -278,6 +333,8 @@ class Recorder:
             logits_digests=res.digests,
             template_note=job.record.get("note"),
             seconds=round(seconds, 4),
+            constraint=job.constraint,
+            mask_digests=res.mask_digests if job.constraint is not None else None,
         )
         # The session changes only once the file is written: a turn that fails to record never poisons its follow-ups.
         write_session(new_record(self.engine, sess.turns + [turn], self.template), sess.path)
@@ -340,7 +397,7 @@ class Worker:
         res = GenerationResult()
         t0 = time.perf_counter()
         for step in generate(self.engine, prompt, job.params, max_tokens=job.max_tokens, stop=job.stop, cache=cache, result=res,
-                             logprobs_k=job.logprobs_k):  # fmt: skip
+                             logprobs_k=job.logprobs_k, constraint=job.constraint):  # fmt: skip
             if job.cancel.is_set():
                 return  # client gone: the partial cache is still an exact prefix for later requests
             if job.stream or job.logprobs_k is not None:  # non-streaming logprobs are built from the same steps
@@ -413,6 +470,17 @@ class Server:
         rendered = tpl.render(messages, add_generation_prompt=True, bos_token=bos, eos_token=eos, tools=req.tools)
         return tok.encode(rendered, add_bos=tpl.add_bos, parse_special=True), messages
 
+    def prepare_constraint(self, req: ChatRequest) -> Constraint | None:
+        """The request's constraint, compiled once against the vocabulary so a bad one is a 400 before any token."""
+        constraint = req.constraint()
+        if constraint is not None:
+            try:
+                constraint.check(self.engine.tokenizer)
+            except ConstraintError as e:
+                raise ApiError(400, str(e), param="tool_choice" if req.forces_tool_call else "response_format",
+                               code="invalid_value") from None  # fmt: skip
+        return constraint
+
     def prepare_completion(self, req: CompletionRequest) -> list[int]:
         p = req.prompt
         if isinstance(p, list) and (not p or isinstance(p[0], int)):
@@ -447,9 +515,11 @@ class Server:
             async with self._inflight:
                 if chat:
                     prompt, messages = await anyio.to_thread.run_sync(self.prepare_chat, req)
+                    constraint = await anyio.to_thread.run_sync(self.prepare_constraint, req)
                     record = {"chat": True, "messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
                 else:
                     prompt = await anyio.to_thread.run_sync(self.prepare_completion, req)
+                    constraint = None
                     record = {"chat": False, "messages": [], "note": "raw /v1/completions prompt (no chat template)"}
             self.check_length(prompt)
             limit = (req.max_completion_tokens or req.max_tokens) if chat else req.max_tokens
@@ -460,7 +530,8 @@ class Server:
             loop = asyncio.get_running_loop()
             events: asyncio.Queue = asyncio.Queue()
             job = Job(prompt, params, max_tokens, req.stops, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
-                      stream=bool(req.stream), record=record, logprobs_k=req.logprobs_k)  # fmt: skip
+                      stream=bool(req.stream), record=record, logprobs_k=req.logprobs_k, constraint=constraint,
+                      tool_call=chat and req.forces_tool_call)  # fmt: skip
             self.worker.jobs.put(job)
         except BaseException:
             release_once()
@@ -493,10 +564,12 @@ class Server:
             release_once()
         res: GenerationResult = payload
         body = dict(meta, object="chat.completion" if chat else "text_completion", usage=self._usage(len(prompt), res))
-        choice = {"index": 0, "finish_reason": FINISH[res.stop_reason], "logprobs": None}
+        call = _tool_call(job, res)
+        choice = {"index": 0, "finish_reason": TOOL_CALLS if call else FINISH[res.stop_reason], "logprobs": None}
         if job.logprobs_k is not None:
             choice["logprobs"] = self._logprobs(chat, steps, 0)
-        choice.update({"message": {"role": "assistant", "content": res.text}} if chat else {"text": res.text})
+        message = {"role": "assistant", "content": None, "tool_calls": [call]} if call else {"role": "assistant", "content": res.text}
+        choice.update({"message": message} if chat else {"text": res.text})
         body["choices"] = [choice]
         return JSONResponse(body, headers={"x-detinfer-output-sha256": tokens_sha256(res.tokens), "x-detinfer-kv-sha256": res.kv_sha256})
 
@@ -551,15 +624,21 @@ class Server:
                     break
                 if kind == "step":
                     step: Step = payload
+                    text = "" if job.tool_call else step.text  # a tool call is sent whole, once it has parsed
                     if job.logprobs_k is not None and step.token is not None:
-                        yield chunk({"content": step.text}, step.text, None, self._logprobs(chat, [step], offset))
-                    elif step.text:
-                        yield chunk({"content": step.text}, step.text, None)
-                    offset += len(step.text)
+                        yield chunk({"content": text}, text, None, self._logprobs(chat, [step], offset))
+                    elif text:
+                        yield chunk({"content": text}, text, None)
+                    offset += len(text)
                     continue
                 res: GenerationResult = payload
                 ext = {"detinfer": {"output_sha256": tokens_sha256(res.tokens), "kv_sha256": res.kv_sha256}}
-                yield chunk({}, "", FINISH[res.stop_reason], **ext)
+                call = _tool_call(job, res)
+                if call:
+                    yield chunk({"tool_calls": [dict(call, index=0)]}, None, None)
+                elif job.tool_call and res.text:  # cut short (max_tokens): the partial text, as without tools
+                    yield chunk({"content": res.text}, None, None)
+                yield chunk({}, "", TOOL_CALLS if call else FINISH[res.stop_reason], **ext)
                 if include_usage:
                     yield "data: " + json.dumps(dict(meta, object=obj, choices=[], usage=self._usage(n_prompt, res))) + "\n\n"
                 break
@@ -589,6 +668,19 @@ class _BoundedStream(StreamingResponse):
             await super().stream_response(timed_send)
         except asyncio.TimeoutError:
             await self.body_iterator.aclose()
+
+
+def _tool_call(job: Job, res: GenerationResult) -> dict | None:
+    """The tool call of a finished tool-call-constrained generation (None if it was cut short or unconstrained).
+
+    Its id is derived from the prompt and output token hashes, so the same request always gets the same id.
+    """
+    if not job.tool_call or res.stop_reason != "eos":
+        return None
+    call = json.loads(res.text)  # the grammar guarantees {"name": ..., "arguments": {...}}
+    digest = hashlib.sha256(f"{tokens_sha256(job.prompt)}:{tokens_sha256(res.tokens)}".encode()).hexdigest()
+    return {"id": f"call_{digest[:24]}", "type": "function",
+            "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}
 
 
 def _finite(logprob: float) -> float:

@@ -17,18 +17,19 @@ from typing import Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .chat import BUILTIN_TEMPLATES, ChatTemplate
+from .constrain import Constraint, json_schema_constraint
 from .engine import Engine
 from .errors import InputError, ManifestError
 from .fileio import atomic_write_text, read_json
 from .generate import GenerationResult, Step, check_prompt, generate
 from .kvcache import KVCache
-from .manifest import ChatTemplateRecord, Count, EngineRecord, ModelRecord, TokenId, canonical_json
+from .manifest import ChatTemplateRecord, Count, EngineRecord, ModelRecord, OmitNone, TokenId, canonical_json
 from .prefix_cache import PrefixCache
 from .run import first_difference, model_record, recorded_template, template_record, versions
 from .sampler import SamplingParams
 
-SESSION_SCHEMA_VERSION = 2
-READABLE_SESSION_SCHEMAS = (1, 2)  # 1: before ``chat_template``
+SESSION_SCHEMA_VERSION = 3
+READABLE_SESSION_SCHEMAS = (1, 2, 3)  # 1: before ``chat_template``; 2: before per-turn ``constraint``
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -55,9 +56,29 @@ class TurnSampling(_Strict):
     stop: list[str] | None = None
 
 
+class TurnConstraint(_Strict):
+    """A script turn's constraint: exactly one of ``json_schema`` (a schema object), ``json_object`` (true),
+    ``regex``, ``lark`` (grammar text)."""
+
+    json_schema: dict[str, Any] | None = None
+    json_object: Literal[True] | None = None
+    regex: str | None = None
+    lark: str | None = None
+
+    def constraint(self) -> Constraint:
+        given = {k: v for k, v in self.model_dump().items() if v is not None}
+        if len(given) != 1:
+            raise InputError(f"a turn's constraint needs exactly one of json_schema, json_object, regex, lark; got {sorted(given) or 'none'}")
+        (kind, value), = given.items()
+        if kind == "json_schema":
+            return json_schema_constraint(value)
+        return Constraint.create(kind, "" if kind == "json_object" else value)
+
+
 class ScriptTurn(_Strict):
     messages: list[ChatMessage] = Field(min_length=1)
     sampling: TurnSampling | None = None
+    constraint: TurnConstraint | None = None
 
 
 class SessionScript(_Strict):
@@ -76,7 +97,7 @@ class _Limits(_Strict):
     stop: list[str]
 
 
-class TurnRecord(_Strict):
+class TurnRecord(OmitNone, _Strict):
     messages: list[ChatMessage]
     sampling: dict[str, Any]  # effective_sampling(): checked by load_session with _Limits and SamplingParams
     appended_token_ids: list[TokenId]
@@ -88,10 +109,14 @@ class TurnRecord(_Strict):
     logits_digests: list[str]
     template_note: str | None = None
     seconds: float = Field(default=0.0, description="informative: never compared")
+    constraint: Constraint | None = None  # the grammar this turn's output had to match (an input of the turn)
+    mask_digests: list[str] | None = None  # constrained turns only: constrain.mask_digest chain
+
+    OMIT_NONE = ("constraint", "mask_digests")
 
 
 class SessionRecord(_Strict):
-    schema_version: Literal[1, 2] = SESSION_SCHEMA_VERSION
+    schema_version: Literal[1, 2, 3] = SESSION_SCHEMA_VERSION
     model: ModelRecord
     tokenizer_sha256: str
     chat_template_sha256: str | None
@@ -187,8 +212,10 @@ def run_turn(
     note: str | None = None,
     on_step: Callable[[Step], None] | None = None,
     prefix_cache: PrefixCache | None = None,
+    constraint: Constraint | None = None,
 ) -> TurnRecord:
-    """Append ``messages`` (or the recorded ``appended`` token ids, when replaying) and generate one turn.
+    """Append ``messages`` (or the recorded ``appended`` token ids, when replaying) and generate one turn, its output
+    matching ``constraint`` if given.
 
     The cache is reused for whatever prefix it holds; with ``prefix_cache``, a longer cached prefix (from another
     conversation or an earlier branch) is restored first, and the turn's final cache is stored there. Reuse is
@@ -207,7 +234,8 @@ def run_turn(
         prefix_cache.restore_longest(cache, prompt)
     res = GenerationResult()
     t0 = time.perf_counter()
-    for step in generate(engine, prompt, _params(sampling), max_tokens=sampling["max_tokens"], stop=sampling["stop"], cache=cache, result=res):
+    for step in generate(engine, prompt, _params(sampling), max_tokens=sampling["max_tokens"], stop=sampling["stop"], cache=cache, result=res,
+                         constraint=constraint):  # fmt: skip
         if on_step:
             on_step(step)
     record = TurnRecord(
@@ -222,6 +250,8 @@ def run_turn(
         logits_digests=res.digests,
         template_note=note,
         seconds=round(time.perf_counter() - t0, 4),
+        constraint=constraint,
+        mask_digests=res.mask_digests if constraint is not None else None,
     )
     conv.add_turn(messages, appended, res.tokens, res.text)
     if prefix_cache is not None:
@@ -306,15 +336,24 @@ def run_session(
     if prior is not None:
         for i, turn in enumerate(prior.turns):
             rec = run_turn(engine, conv, cache, [m.model_dump() for m in turn.messages], turn.sampling,
-                           appended=turn.appended_token_ids, note=turn.template_note, prefix_cache=prefix_cache)
+                           appended=turn.appended_token_ids, note=turn.template_note, prefix_cache=prefix_cache,
+                           constraint=_recorded_constraint(turn))
             if compare_turn(turn, rec):
                 raise ManifestError(f"turn {i + 1} of the recorded session does not replay exactly; cannot branch from it")
             records.append(turn)
-    for turn in turns:
+    constraints = []
+    for i, turn in enumerate(turns):  # every turn's constraint compiles before any token is generated
+        try:
+            constraints.append(turn.constraint.constraint() if turn.constraint is not None else None)
+            if constraints[-1] is not None:
+                constraints[-1].check(engine.tokenizer)
+        except InputError as e:
+            raise type(e)(f"turn {len(records) + i + 1}: {e}") from None
+    for turn, constraint in zip(turns, constraints):
         sampling = effective_sampling(default_sampling, turn.sampling)
         try:
             rec = run_turn(engine, conv, cache, [m.model_dump() for m in turn.messages], sampling, on_step=on_step,
-                           prefix_cache=prefix_cache)
+                           prefix_cache=prefix_cache, constraint=constraint)
         except InputError as e:
             if out is not None:
                 write_session(new_record(engine, records, template), out)
@@ -337,9 +376,16 @@ def _session_template(record: SessionRecord) -> ChatTemplate | None:
     return recorded_template(record)  # same fields as a run manifest: chat_template, chat_template_sha256
 
 
+def _recorded_constraint(turn: TurnRecord) -> Constraint | None:
+    """A recorded turn's constraint, checked against its sha256 (ManifestError if edited)."""
+    if turn.constraint is not None:
+        turn.constraint.check_sha256()
+    return turn.constraint
+
+
 def compare_turn(expected: TurnRecord, actual: TurnRecord) -> list[str]:
     """Contract fields of a turn that differ (timings are never compared)."""
-    fields = ("appended_token_ids", "generated_token_ids", "text", "stop_reason", "kv_sha256", "logits_digests")
+    fields = ("appended_token_ids", "generated_token_ids", "text", "stop_reason", "kv_sha256", "logits_digests", "mask_digests")
     return [f for f in fields if getattr(expected, f) != getattr(actual, f)]
 
 
@@ -374,7 +420,7 @@ def replay_turns(
             cache = _restore_snapshot(engine, Path(kv_dir) / f"turn-{i:03d}.detkv", record.turns[i - 1].kv_sha256, warn) or cache
         actual = run_turn(engine, conv, cache, [m.model_dump() for m in turn.messages], turn.sampling,
                           appended=turn.appended_token_ids, note=turn.template_note,
-                          prefix_cache=prefix_cache if use_cache else None)
+                          prefix_cache=prefix_cache if use_cache else None, constraint=_recorded_constraint(turn))
         diffs = compare_turn(turn, actual)
         firsts = (first_difference(turn.logits_digests, actual.logits_digests),
                   first_difference(turn.generated_token_ids, actual.generated_token_ids))

@@ -393,7 +393,8 @@ class Tokenizer:
 
     Attributes: ``n_vocab``; ``bos_id`` / ``eos_id`` (None if the file has none); ``eog_ids`` (ids that end
     a generation); ``add_bos`` (the model's default for prepending BOS); ``hash`` (sha256 hex of the
-    canonical JSON of all ``tokenizer.ggml.*`` metadata, not the chat template).
+    canonical JSON of all ``tokenizer.ggml.*`` metadata, not the chat template); ``special_ids`` (control and
+    unknown tokens, and user-defined ones written ``<...>``: never text a grammar can match).
     """
 
     def __init__(self, *, hf: tokenizers.Tokenizer, tokens: list[str], types: list[int],
@@ -413,6 +414,10 @@ class Tokenizer:
         self.eog_ids = eog_ids
         self.add_bos = add_bos
         self.hash = hash
+        self.special_ids = frozenset(
+            i for i, t in enumerate(types)
+            if t in SPECIAL_TYPES or (t == TokenType.USER_DEFINED and tokens[i].startswith("<") and tokens[i].endswith(">"))
+        )  # fmt: skip
 
     @classmethod
     def from_model(cls, mf: ModelFile) -> Tokenizer:

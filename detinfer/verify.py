@@ -15,6 +15,7 @@ from typing import Callable, Iterable
 
 from pydantic import ValidationError
 
+from .constrain import Constraint
 from .engine import Engine
 from .errors import DetinferError, ManifestError
 from .fileio import load_json
@@ -99,12 +100,14 @@ def _is_golden(path: Path) -> bool:
     return isinstance(data, dict) and "case" in data and "schema_version" not in data
 
 
-def _golden_settings(path: Path, record: GoldenRecord) -> tuple[int, str, bool, SamplingRecord]:
-    """(n_ctx, kv_type, chat, sampling) from a golden record's settings; ManifestError naming a missing or bad key."""
+def _golden_settings(path: Path, record: GoldenRecord) -> tuple[int, str, bool, SamplingRecord, Constraint | None]:
+    """(n_ctx, kv_type, chat, sampling, constraint) from a golden record's settings; ManifestError naming a missing or
+    bad key."""
     settings = dict(record.settings)
     try:
         n_ctx, kv_type, chat = settings.pop("n_ctx"), settings.pop("kv_type"), settings.pop("chat")
         EngineRecord(n_ctx=n_ctx, kv_type=parse_kv_type(kv_type))  # a quantized KV type is rejected with its reason
+        constraint = Constraint.model_validate(settings.pop("constraint")) if "constraint" in settings else None
         sampling = SamplingRecord(**settings)
     except KeyError as e:
         raise ManifestError(f"{path} is not a valid golden record: settings.{e.args[0]} is missing") from None
@@ -114,7 +117,9 @@ def _golden_settings(path: Path, record: GoldenRecord) -> tuple[int, str, bool, 
         raise ManifestError(f"{path} is not a valid golden record: settings.{loc}: {err['msg']}") from None
     if not isinstance(chat, bool):
         raise ManifestError(f"{path} is not a valid golden record: settings.chat must be true or false, got {chat!r}")
-    return n_ctx, kv_type, chat, sampling
+    if constraint is not None:
+        constraint.check_sha256()
+    return n_ctx, kv_type, chat, sampling, constraint
 
 
 def verify_golden(path: Path, engines: dict[tuple, Engine], *, model: str | None = None) -> VerifyResult:
@@ -125,7 +130,7 @@ def verify_golden(path: Path, engines: dict[tuple, Engine], *, model: str | None
             record = GoldenRecord.model_validate(load_json(path, ManifestError, "golden record"))
         except ValidationError as e:
             raise ManifestError(f"{path} is not a valid golden record: {e.errors()[0]['msg']}") from None
-        n_ctx, kv_type, chat, sampling = _golden_settings(path, record)
+        n_ctx, kv_type, chat, sampling, constraint = _golden_settings(path, record)
         key = (record.model_sha256, n_ctx, kv_type)
         if key not in engines:  # a golden record names its model by sha256 only: the registry knows which that is
             source = model if model is not None else name_for_sha256(record.model_sha256)
@@ -139,7 +144,7 @@ def verify_golden(path: Path, engines: dict[tuple, Engine], *, model: str | None
         engine = engines[key]
         ids = record.prompt_token_ids
         prompt = PromptRecord(text=None, chat=chat, rendered="", token_ids=ids, tokens_sha256=tokens_sha256(ids))
-        actual = execute(engine, prompt, sampling)
+        actual = execute(engine, prompt, sampling, constraint=constraint)
     except DetinferError as e:
         return VerifyResult(str(path), BAD_INPUT, message=str(e), seconds=time.perf_counter() - t0)
     diffs = [
