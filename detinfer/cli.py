@@ -36,7 +36,7 @@ ChatTemplateOpt = Annotated[Optional[str], typer.Option(
     "--chat-template", help="Chat template instead of the model's: a built-in format (gemma, chatml) or a jinja file.")]
 
 
-def _check_outputs(files: dict[str, Optional[Path]], dirs: dict[str, Optional[Path]] = {}) -> None:
+def _check_outputs(files: dict[str, Optional[Path]], dirs: Optional[dict[str, Optional[Path]]] = None) -> None:
     """Before any work: every output option names a regular file or new path (files) or a folder detinfer can write
     into (dirs); InputError (one line) otherwise. ``{option: path or None}``."""
     from .fileio import check_output, check_output_dir
@@ -44,7 +44,7 @@ def _check_outputs(files: dict[str, Optional[Path]], dirs: dict[str, Optional[Pa
     for option, path in files.items():
         if path is not None:
             check_output(path, option)
-    for option, path in dirs.items():
+    for option, path in (dirs or {}).items():
         if path is not None:
             check_output_dir(path, option)
 
