@@ -232,7 +232,7 @@ def test_session_turn_constraints_replay(engine, tmp_path):
                                         "constraint": {"regex": "(yes|no)"}}),
              ScriptTurn.model_validate({"messages": [{"role": "user", "content": "Thanks."}]})]  # fmt: skip
     out = tmp_path / "session.json"
-    run_session(engine, turns, TurnSampling(max_tokens=60, temperature=0.7, seed=2), out=out)
+    run_session(engine, turns, TurnSampling(max_tokens=24, temperature=0.7, seed=2), out=out)
     record = load_session(out)
     first, second, third = record.turns
     jsonschema.validate(json.loads(first.text), SCHEMAS["required_fields"])
