@@ -47,11 +47,16 @@ def _decode_seconds(engine: Engine, prompt: list[int], tokens: int, constrained:
     return res.timings.decode_s
 
 
+def check_options(tokens: int, runs: int) -> None:
+    """InputError for tokens < 2 or runs < 1."""
+    if tokens < 2 or runs < 1:
+        raise InputError(f"--tokens must be at least 2 and --runs at least 1, got {tokens} and {runs}")
+
+
 def bench_constraint(engine: Engine, tokens: int = 128, runs: int = 5, warn=None) -> ConstraintBench:
     """Interleaved runs of both arms (greedy, chat prompt, ``tokens`` decoded each); InputError for tokens < 2 or
     runs < 1. ``warn`` is told if another process keeps the CPU busy before the runs."""
-    if tokens < 2 or runs < 1:
-        raise InputError(f"--tokens must be at least 2 and --runs at least 1, got {tokens} and {runs}")
+    check_options(tokens, runs)
     prompt = build_prompt(engine, text=PROMPT, chat=True).token_ids
     warm_up(engine)
     _decode_seconds(engine, prompt, 4, True)  # builds llguidance's token trie outside the timed runs

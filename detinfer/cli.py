@@ -690,10 +690,11 @@ def bench_constraint(
     runs: Annotated[int, typer.Option("--runs", help="Runs per arm, interleaved; the minimum of each is compared.")] = 5,
 ) -> None:
     """Decode time with a JSON-schema constraint (the allowed-token mask) vs without: same prompt, same token count."""
-    from .bench_constraint import OVERHEAD_LIMIT, bench_constraint as run_bench
+    from .bench_constraint import OVERHEAD_LIMIT, bench_constraint as run_bench, check_options
     from .engine import Engine, set_threads
 
     try:
+        check_options(tokens, runs)
         n_threads = set_threads(threads)
         engine = Engine.load(model, n_ctx=512)
         with err.status("decoding with and without the constraint…"):

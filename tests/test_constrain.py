@@ -232,7 +232,7 @@ def test_session_turn_constraints_replay(engine, tmp_path):
                                         "constraint": {"regex": "(yes|no)"}}),
              ScriptTurn.model_validate({"messages": [{"role": "user", "content": "Thanks."}]})]  # fmt: skip
     out = tmp_path / "session.json"
-    run_session(engine, turns, TurnSampling(max_tokens=60, temperature=0.7, seed=2), out=out)
+    run_session(engine, turns, TurnSampling(max_tokens=24, temperature=0.7, seed=2), out=out)
     record = load_session(out)
     first, second, third = record.turns
     jsonschema.validate(json.loads(first.text), SCHEMAS["required_fields"])
@@ -265,3 +265,8 @@ def test_bench_constraint_arms_decode_the_same_token_count(engine):
     assert b.overhead == min(b.constrained_s) / min(b.free_s) - 1
     with pytest.raises(InputError, match="--tokens"):
         bench_constraint(engine, tokens=1)
+
+
+def test_cli_bench_constraint_bad_options_exit_2(home):
+    r = cli(home, "bench", "constraint", "--runs", "0")
+    assert r.exit_code == 2 and "--runs at least 1" in r.output, r.output
