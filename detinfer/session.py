@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
 from .chat import BUILTIN_TEMPLATES, ChatTemplate
 from .engine import Engine
@@ -27,8 +27,8 @@ from .prefix_cache import PrefixCache
 from .run import first_difference, model_record, recorded_template, template_record, versions
 from .sampler import SamplingParams
 
-SESSION_SCHEMA_VERSION = 2
-READABLE_SESSION_SCHEMAS = (1, 2)  # 1: before ``chat_template``
+SESSION_SCHEMA_VERSION = 3
+READABLE_SESSION_SCHEMAS = (1, 2, 3)  # 1: before ``chat_template``; 2: before tool calls and ``kept_tokens``
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -36,9 +36,26 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class ChatMessage(_Strict):
+class _DropsUnset(_Strict):
+    """Leaves its OPTIONAL fields out of the JSON when None, so records without tool calls keep their old shape."""
+
+    OPTIONAL: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if not (k in self.OPTIONAL and v is None)}
+
+
+class ChatMessage(_DropsUnset):
+    """A message as the chat template sees it. ``tool_calls``: an assistant's calls, OpenAI-shaped
+    (``{"id", "type", "function": {"name", "arguments"}}``); ``tool_call_id``: the call a tool message answers."""
+
+    OPTIONAL = ("name", "tool_calls", "tool_call_id")
     role: Literal["system", "user", "assistant", "tool"]
     content: str
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class TurnSampling(_Strict):
@@ -68,7 +85,12 @@ class SessionScript(_Strict):
     turns: list[ScriptTurn] = Field(min_length=1)
 
 
-class TurnRecord(_Strict):
+class TurnRecord(_DropsUnset):
+    """One turn. ``kept_tokens``: how many tokens of the history (previous prompt + output) the turn keeps before
+    its appended tokens (None: all of them), for a client that re-sent the history rendered differently from the
+    tokens, e.g. a tool call. ``tool_calls``: the calls parsed from ``text`` (format ``tool_call_format``)."""
+
+    OPTIONAL = ("kept_tokens", "tool_calls", "tool_call_format")
     messages: list[ChatMessage]
     sampling: dict[str, Any]
     appended_token_ids: list[int]
@@ -80,10 +102,13 @@ class TurnRecord(_Strict):
     logits_digests: list[str]
     template_note: str | None = None
     seconds: float = Field(default=0.0, description="informative: never compared")
+    kept_tokens: int | None = Field(default=None, ge=0)
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_format: str | None = None
 
 
 class SessionRecord(_Strict):
-    schema_version: Literal[1, 2] = SESSION_SCHEMA_VERSION
+    schema_version: Literal[1, 2, 3] = SESSION_SCHEMA_VERSION
     model: ModelRecord
     tokenizer_sha256: str
     chat_template_sha256: str | None
@@ -163,9 +188,14 @@ class Conversation:
             note = "the chat template renders the history differently from its tokens; the token history was kept"
         return tok.encode(delta, add_bos=False, parse_special=True), note
 
-    def add_turn(self, messages: list[dict], appended: list[int], generated: list[int], text: str) -> None:
-        self.messages += messages + [{"role": "assistant", "content": text}]
-        self.tokens += appended + generated
+    def add_turn(self, messages: list[dict], appended: list[int], generated: list[int], text: str,
+                 tool_calls: list[dict] | None = None, kept: int | None = None) -> None:  # fmt: skip
+        """Append a turn; ``kept``: history tokens the turn kept (the rest are dropped first), ``tool_calls``: the reply's calls."""
+        reply: dict[str, Any] = {"role": "assistant", "content": text}
+        if tool_calls:
+            reply.update(content="", tool_calls=tool_calls)
+        self.messages += messages + [reply]
+        self.tokens = self.tokens[:kept] + appended + generated
 
 
 def run_turn(
@@ -177,10 +207,15 @@ def run_turn(
     *,
     appended: list[int] | None = None,
     note: str | None = None,
+    kept: int | None = None,
+    tool_calls: list[dict] | None = None,
     on_step: Callable[[Step], None] | None = None,
     prefix_cache: PrefixCache | None = None,
 ) -> TurnRecord:
     """Append ``messages`` (or the recorded ``appended`` token ids, when replaying) and generate one turn.
+
+    Replaying, ``kept`` (a turn's ``kept_tokens``) drops the history after that many tokens first, and ``tool_calls``
+    (the recorded reply's calls) go into the message history that later scripted turns are rendered after.
 
     The cache is reused for whatever prefix it holds; with ``prefix_cache``, a longer cached prefix (from another
     conversation or an earlier branch) is restored first, and the turn's final cache is stored there. Reuse is
@@ -188,10 +223,13 @@ def run_turn(
     """
     if appended is None:
         appended, note = conv.append_messages(messages)
-    prompt = conv.tokens + appended
+    if kept is not None and kept > len(conv.tokens):
+        raise InputError(f"the turn keeps {kept} history tokens but the history has {len(conv.tokens)}")
+    history = conv.tokens[:kept]
+    prompt = history + appended
     if len(prompt) >= engine.n_ctx:
         raise InputError(
-            f"the conversation would reach {len(prompt)} tokens ({len(conv.tokens)} history + {len(appended)} new) "
+            f"the conversation would reach {len(prompt)} tokens ({len(history)} history + {len(appended)} new) "
             f"but the context holds {engine.n_ctx}; raise --ctx"
         )
     check_prompt(engine, prompt)
@@ -214,8 +252,9 @@ def run_turn(
         logits_digests=res.digests,
         template_note=note,
         seconds=round(time.perf_counter() - t0, 4),
+        kept_tokens=kept,
     )
-    conv.add_turn(messages, appended, res.tokens, res.text)
+    conv.add_turn(messages, appended, res.tokens, res.text, tool_calls, kept)
     if prefix_cache is not None:
         prefix_cache.store(cache)
     return record
@@ -283,7 +322,8 @@ def run_session(
     if prior is not None:
         for i, turn in enumerate(prior.turns):
             rec = run_turn(engine, conv, cache, [m.model_dump() for m in turn.messages], turn.sampling,
-                           appended=turn.appended_token_ids, note=turn.template_note, prefix_cache=prefix_cache)
+                           appended=turn.appended_token_ids, note=turn.template_note, kept=turn.kept_tokens,
+                           tool_calls=turn.tool_calls, prefix_cache=prefix_cache)
             if compare_turn(turn, rec):
                 raise ManifestError(f"turn {i + 1} of the recorded session does not replay exactly; cannot branch from it")
             records.append(turn)
@@ -316,7 +356,7 @@ def _session_template(record: SessionRecord) -> ChatTemplate | None:
 
 def compare_turn(expected: TurnRecord, actual: TurnRecord) -> list[str]:
     """Contract fields of a turn that differ (timings are never compared)."""
-    fields = ("appended_token_ids", "generated_token_ids", "text", "stop_reason", "kv_sha256", "logits_digests")
+    fields = ("kept_tokens", "appended_token_ids", "generated_token_ids", "text", "stop_reason", "kv_sha256", "logits_digests")
     return [f for f in fields if getattr(expected, f) != getattr(actual, f)]
 
 
@@ -350,8 +390,8 @@ def replay_turns(
         elif kv_dir is not None and i > 0:
             cache = _restore_snapshot(engine, Path(kv_dir) / f"turn-{i:03d}.detkv", warn) or cache
         actual = run_turn(engine, conv, cache, [m.model_dump() for m in turn.messages], turn.sampling,
-                          appended=turn.appended_token_ids, note=turn.template_note,
-                          prefix_cache=prefix_cache if use_cache else None)
+                          appended=turn.appended_token_ids, note=turn.template_note, kept=turn.kept_tokens,
+                          tool_calls=turn.tool_calls, prefix_cache=prefix_cache if use_cache else None)
         diffs = compare_turn(turn, actual)
         firsts = (first_difference(turn.logits_digests, actual.logits_digests),
                   first_difference(turn.generated_token_ids, actual.generated_token_ids))
