@@ -275,3 +275,95 @@ def test_every_agent_run_replays_in_a_fresh_process(base_url, model_path, tmp_pa
     for test, files in RUNS.items():
         turns = [r for r in rows if Path(r["session"]).name in {f.name for f in files}]
         assert turns and all(r["result"] == "match" for r in turns), (test, turns)
+
+
+# --------------------------------------------------------------------------------------------- the wire format
+
+
+def _schema(*names: str) -> dict:
+    return {"type": "object", "properties": {n: {"type": "integer"} for n in names}, "required": list(names)}
+
+
+FUNCTIONS = [{"name": "add", "description": "Add two integers.", "parameters": _schema("a", "b")},
+             {"name": "multiply", "description": "Multiply two integers.", "parameters": _schema("a", "b")},
+             {"name": "final_answer", "description": "Give the final answer.", "parameters": _schema("answer")}]  # fmt: skip
+
+
+def few_shot_chat() -> list[dict]:
+    messages = [{"role": "system", "content": SYSTEM}]
+    for k, (x, y, z) in enumerate(EXAMPLES):
+        messages.append({"role": "user", "content": f"What is ({x} + {y}) * {z}?"})
+        for i, (name, args, result) in enumerate(example_steps(x, y, z)):
+            call = {"id": f"ex{k}{i}", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+            messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": f"ex{k}{i}", "content": str(result)}]  # fmt: skip
+    return messages + [{"role": "user", "content": TASK}]
+
+
+def test_streamed_tool_calls_equal_the_response_and_markup_is_never_content(base_url):
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    kw = dict(model="x", messages=few_shot_chat(), tools=[{"type": "function", "function": f} for f in FUNCTIONS],
+              temperature=0, max_tokens=MAX_TOKENS)  # fmt: skip
+    r = client.chat.completions.create(**kw)
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+    calls = [c.model_dump() for c in r.choices[0].message.tool_calls]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == CALLS[:1]
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks)
+    streamed = [t.model_dump(exclude={"index"}) for c in chunks for t in c.choices[0].delta.tool_calls or []]
+    assert streamed == calls and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert client.chat.completions.create(**kw).choices[0].message.tool_calls[0].id == calls[0]["id"]  # ids repeat
+    none = client.chat.completions.create(**kw, tool_choice="none")  # control: the same text, not parsed
+    assert none.choices[0].message.tool_calls is None and none.choices[0].message.content.startswith("<tool_call>\n{")
+
+
+def test_responses_stream_and_previous_response_id(base_url):
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    chat = few_shot_chat()
+    items: list[dict] = []
+    for m in chat[1:]:
+        if m["role"] == "assistant":
+            items += [{"type": "function_call", "call_id": c["id"], "name": c["function"]["name"],
+                       "arguments": c["function"]["arguments"]} for c in m["tool_calls"]]  # fmt: skip
+        elif m["role"] == "tool":
+            items.append({"type": "function_call_output", "call_id": m["tool_call_id"], "output": m["content"]})
+        else:
+            items.append({"role": m["role"], "content": m["content"]})
+    kw = dict(model="x", instructions=SYSTEM, tools=[dict(f, type="function") for f in FUNCTIONS], temperature=0,
+              max_output_tokens=MAX_TOKENS)  # fmt: skip
+    first = client.responses.create(input=items, **kw)
+    assert [(o.type, o.name, json.loads(o.arguments)) for o in first.output] == [("function_call", *CALLS[0])]
+    events = list(client.responses.create(input=items, stream=True, **kw))
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    assert "response.function_call_arguments.done" in [e.type for e in events]
+    assert events[-1].response.output == first.output and events[-1].response.id == first.id
+    result = {"type": "function_call_output", "call_id": first.output[0].call_id, "output": "7"}
+    follow = client.responses.create(input=[result], previous_response_id=first.id, **kw)
+    whole = client.responses.create(input=items + [o.model_dump(exclude={"id", "status"}) for o in first.output] + [result], **kw)
+    assert [(o.name, o.arguments) for o in follow.output] == [(o.name, o.arguments) for o in whole.output]
+    assert [(o.name, json.loads(o.arguments)) for o in follow.output] == CALLS[1:2]
+    assert follow.usage.input_tokens == whole.usage.input_tokens
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(input=[result], previous_response_id="resp_unknown", **kw)
+    assert info.value.response.json()["error"]["param"] == "previous_response_id"
+
+
+def test_a_recorded_agent_run_branches_after_any_turn(base_url, model_path, tmp_path):
+    """``replay --until 2 --then``: the LangChain run's first two turns (add, multiply) replay exactly, then a scripted
+    tool result continues the run from there."""
+    run = RUNS.get("test_langchain_bind_tools_agent_loop")
+    assert run, "the LangChain run did not record"
+    record = json.loads(run[0].read_text())
+    multiply = record["turns"][1]["tool_calls"][0]
+    script = tmp_path / "then.json"
+    script.write_text(json.dumps({"sampling": {"temperature": 0, "max_tokens": MAX_TOKENS}, "turns": [
+        {"messages": [{"role": "tool", "content": "28", "tool_call_id": multiply["id"]}]}]}))  # fmt: skip
+    out = tmp_path / "branch.json"
+    proc = subprocess.run([sys.executable, "-m", "detinfer.cli", "replay", str(run[0]), "--until", "2", "--then", str(script),
+                           "--out", str(out), "--threads", "1", "--model", str(model_path)],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    branch = json.loads(out.read_text())
+    assert branch["turns"][:2] == record["turns"][:2] and len(branch["turns"]) == 3
+    assert branch["turns"][2]["messages"] == [{"role": "tool", "content": "28", "tool_call_id": multiply["id"]}]
+    assert branch["turns"][2]["generated_token_ids"] and "<tool_response>\n28\n</tool_response>" not in branch["turns"][2]["text"]
