@@ -3,8 +3,8 @@
 A request's ``instructions`` and ``input`` items become chat messages (``message`` items by role, consecutive
 ``function_call`` items one assistant message with ``tool_calls``, ``function_call_output`` items ``tool`` messages),
 its flat function tools chat ``tools``; the prompt is rendered, generated, recorded and replayed exactly like a chat
-completion's. ``previous_response_id`` names an earlier response of this server: its conversation (messages and
-reply, kept in memory for the last ``MAX_REMEMBERED`` responses) comes before the new input. Output items are the
+completion's. ``previous_response_id`` names an earlier response of this server: its conversation (input and reply,
+without its instructions; kept in memory for the last ``MAX_REMEMBERED`` responses) comes before the new input. Output items are the
 reply's text (a ``message``) and its calls (``function_call`` items); ids derive from the prompt and sampling,
 never random. Streaming sends the Responses event sequence (``response.created`` ... ``response.completed``).
 """
@@ -83,10 +83,8 @@ def _text(content: Any, param: str) -> str:
 
 
 def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
-    """The chat messages (OpenAI chat shape) of ``instructions`` and ``input``; ApiError naming an item it cannot honour."""
+    """The chat messages (OpenAI chat shape) of ``input``; ApiError naming an item it cannot honour."""
     messages: list[dict[str, Any]] = []
-    if req.instructions:
-        messages.append({"role": "system", "content": req.instructions})
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
     for i, item in enumerate(items):
         param, kind = f"input.{i}", item.get("type", "message")
@@ -133,6 +131,7 @@ class Responses:
         self.remembered: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
 
     def _chat_request(self, req: ResponsesRequest) -> tuple[ChatRequest, list[dict[str, Any]]]:
+        """The equivalent chat request, and the conversation (without instructions) a later response may continue."""
         messages = input_messages(req)
         if req.previous_response_id is not None:
             if req.previous_response_id not in self.remembered:
@@ -140,8 +139,10 @@ class Responses:
                                     "responses of this server; send the whole conversation as input",
                                param="previous_response_id", code="invalid_value")  # fmt: skip
             messages = self.remembered[req.previous_response_id] + messages
+        # instructions are the request's own: a previous response's do not carry over (as OpenAI's)
+        rendered = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + messages
         tools = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)} for t in req.tools or []]
-        chat = {"model": req.model, "messages": messages, "tools": tools or None, "tool_choice": req.tool_choice,
+        chat = {"model": req.model, "messages": rendered, "tools": tools or None, "tool_choice": req.tool_choice,
                 "parallel_tool_calls": req.parallel_tool_calls, "temperature": req.temperature, "top_p": req.top_p,
                 "max_completion_tokens": req.max_output_tokens, "stream": req.stream, "user": req.user}  # fmt: skip
         try:

@@ -289,8 +289,8 @@ class Recorder:
     A chat request that repeats a recorded session's last request's messages followed by an assistant message (the
     reply, as text or tool calls, however the client re-sends it) continues that session, as does any request whose
     prompt token ids extend a session's last prompt + output. The turn records the tokens appended after the longest
-    common prefix with the history (``kept_tokens`` when that is not all of it: a re-rendered reply rarely
-    tokenizes as generated); otherwise the request starts a new session file. Runs on the worker thread only.
+    common prefix with the history (and ``kept_tokens`` when that is not all of it, as for a client that re-sends
+    its calls as text); otherwise the request starts a new session file. Runs on the worker thread only.
     """
 
     MAX_OPEN = 256  # sessions remembered for matching

@@ -210,6 +210,7 @@ def test_langchain_bind_tools_agent_loop(base_url, recorded):
 # --------------------------------------------------------------------------------------------- smolagents
 
 
+@pytest.mark.filterwarnings("ignore:Function .* has decorators other than @tool")  # about its remote executor
 def test_smolagents_tool_calling_agent(base_url, recorded):
     smolagents = pytest.importorskip("smolagents")
     from smolagents.memory import ActionStep, TaskStep
