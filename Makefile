@@ -29,9 +29,10 @@ test: pull
 
 # The suite once more with numba's bounds checking on (its own JIT cache: numba's cache key ignores the flag): an
 # index that validation missed becomes an IndexError instead of a silent out-of-bounds read. Bounds-checked kernels
-# do not vectorize, so this pass is several times slower; it leaves out only the `slow` compile-target test.
+# do not vectorize, so this pass is several times slower; it leaves out the `slow` compile-target test and the
+# `frameworks` tests (agent frameworks over HTTP: they exercise no kernel path the rest of the suite does not).
 test-boundscheck: pull
-	NUMBA_BOUNDSCHECK=1 NUMBA_CACHE_DIR=$(CURDIR)/.numba-boundscheck $(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow"
+	NUMBA_BOUNDSCHECK=1 NUMBA_CACHE_DIR=$(CURDIR)/.numba-boundscheck $(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow and not frameworks"
 
 verify: pull
 	$(BIN)/detinfer pull gemma3-270m-q4_k_m

@@ -278,7 +278,7 @@ def load_messages(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
 # --chat-template NAME → file in TEMPLATES_DIR: llama.cpp's built-in formats for files without a template.
-BUILTIN_TEMPLATES = {"gemma": "gemma.jinja", "chatml": "chatml.jinja"}
+BUILTIN_TEMPLATES = {"gemma": "gemma.jinja", "chatml": "chatml.jinja", "chatml-tools": "chatml-tools.jinja"}
 Origin = Literal["model", "file", "builtin"]
 
 
@@ -300,6 +300,7 @@ class ChatTemplate:
         self.origin: Origin = origin
         self.name = name
         self.add_bos: bool | None = None if origin == "builtin" else False
+        self._renders_tools: bool | None = None
         try:
             self._template = _environment().from_string(source)
         except jinja2.TemplateSyntaxError as e:
@@ -344,6 +345,14 @@ class ChatTemplate:
         if template.hash != sha256:
             raise TemplateError(f"the recorded chat template text has sha256 {template.hash}, but {sha256} was recorded")
         return template
+
+    def renders_tools(self) -> bool:
+        """Whether ``tools`` change the rendered prompt (a template without tool support ignores them)."""
+        if self._renders_tools is None:
+            probe = [{"role": "user", "content": "x"}]
+            tool = {"type": "function", "function": {"name": "probe", "description": "d", "parameters": {"type": "object", "properties": {}}}}
+            self._renders_tools = self.render(probe, tools=[tool]) != self.render(probe)
+        return self._renders_tools
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, bos_token: str = "",
                eos_token: str = "", tools: list[dict[str, Any]] | None = None) -> str:  # fmt: skip

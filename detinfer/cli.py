@@ -33,7 +33,7 @@ ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", help="Thre
 CacheBytesOpt = Annotated[int, typer.Option("--cache-bytes", help="Byte budget of the in-memory prefix cache (LRU).")]
 DEFAULT_CACHE_BYTES = 1 << 30
 ChatTemplateOpt = Annotated[Optional[str], typer.Option(
-    "--chat-template", help="Chat template instead of the model's: a built-in format (gemma, chatml) or a jinja file.")]
+    "--chat-template", help="Chat template instead of the model's: a built-in format (gemma, chatml, chatml-tools) or a jinja file.")]
 
 
 def _check_outputs(files: dict[str, Optional[Path]], dirs: Optional[dict[str, Optional[Path]]] = None) -> None:

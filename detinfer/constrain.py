@@ -129,13 +129,14 @@ def _tool_function(tool: Any, i: int) -> dict:
     return fn
 
 
-def tool_call_constraint(tools: list[dict], name: str | None = None, prefix: str = "", suffix: str = "") -> Constraint:
-    """A constraint for exactly one tool call ``{"name": NAME, "arguments": {...}}`` whose arguments validate against
-    that tool's JSON Schema (``function.parameters``; any object if absent), optionally between literal markup.
+def tool_call_constraint(tools: list[dict], name: str | None = None, prefix: str = "", suffix: str = "",
+                         arguments_key: str = "arguments") -> Constraint:
+    """A constraint for exactly one tool call ``{"name": NAME, ARGUMENTS_KEY: {...}}`` whose arguments validate
+    against that tool's JSON Schema (``function.parameters``; any object if absent), optionally between literal markup.
 
     ``tools``: OpenAI-style ``[{"type": "function", "function": {"name", "parameters"}}, ...]``. ``name``: only that
     function may be called (else any of them: anyOf over the tools). ``prefix`` / ``suffix``: literal text around the
-    JSON object (e.g. ``"<tool_call>\\n"``, ``"\\n</tool_call>"``). Without markup the constraint is kind json_schema;
+    JSON object (e.g. ``"<tool_call>\\n"``, ``"\\n</tool_call>"``); ``arguments_key``: ``"parameters"`` for Llama 3's format. Without markup the constraint is kind json_schema;
     with it, kind lark (``start: PREFIX call SUFFIX``, ``call: %json {schema}``). Raises ConstraintError for no tools,
     a tool without a name, or a ``name`` that is not among them.
     """
@@ -147,8 +148,8 @@ def tool_call_constraint(tools: list[dict], name: str | None = None, prefix: str
         if not functions:
             raise ConstraintError(f"tool_choice names function {name!r}, which is not among the tools")
     calls = [
-        {"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or {"type": "object"}},
-         "required": ["name", "arguments"], "additionalProperties": False}
+        {"type": "object", "properties": {"name": {"const": f["name"]}, arguments_key: f.get("parameters") or {"type": "object"}},
+         "required": ["name", arguments_key], "additionalProperties": False}
         for f in functions
     ]  # fmt: skip
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}

@@ -56,12 +56,12 @@ from .manifest import tokens_sha256
 from .prefix_cache import PrefixCache
 from .sampler import RNG_PERSON, WEIGHT_BITS, SamplingParams
 from .session import ChatMessage, TurnRecord, TurnSampling, effective_sampling, new_record, write_session
+from .tool_calls import Reply, StreamSplitter, ToolCallFormat, format_for_template
 
 MAX_BODY_BYTES = 1 << 20
 BODY_TIMEOUT_S = 30.0
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 FINISH = {"eos": "stop", "stop": "stop", "max_tokens": "length", "length": "length"}
-TOOL_CALLS = "tool_calls"  # finish_reason of a completed required / named tool call
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -114,11 +114,6 @@ class _Req(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class TextPart(_Req):
-    type: Literal["text"]
-    text: str
-
-
 class FunctionCall(_Req):
     name: str
     arguments: str
@@ -131,11 +126,45 @@ class ToolCall(_Req):
 
 
 class Message(_Req):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    """A chat message as OpenAI clients send it; ``developer`` is rendered as ``system``. Content parts other than
+    text (images, audio, files) cannot be honoured and are a 400 naming the part."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    refusal: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    function_call: None = None  # deprecated by OpenAI; clients echo it as null
+    audio: None = None
+    annotations: list[dict[str, Any]] | None = None  # citations of an earlier reply (output metadata, not rendered)
+
+    def text(self, param: str) -> str | None:
+        """The content as one string (text parts joined); ApiError naming ``param`` for a non-text part."""
+        if not isinstance(self.content, list):
+            return self.content
+        texts = []
+        for j, part in enumerate(self.content):
+            if part.get("type") not in ("text", "input_text", "output_text") or not isinstance(part.get("text"), str):
+                raise ApiError(400, f"{param}.{j}: only text content parts are supported, got type {part.get('type')!r}",
+                               param=f"{param}.{j}", code="unsupported_value")  # fmt: skip
+            texts.append(part["text"])
+        return "".join(texts)
+
+    def template_dict(self, i: int) -> dict[str, Any]:
+        """The message as a chat template sees it (HF style: tool call arguments as objects when they parse as one)."""
+        content = self.text(f"messages.{i}.content")
+        if content is None:
+            content = self.refusal
+        if content is None and not self.tool_calls:
+            raise ApiError(400, f"messages.{i}.content is required", param=f"messages.{i}.content")
+        msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        if self.tool_calls:
+            msg["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        for key in ("name", "tool_call_id"):
+            if getattr(self, key) is not None:
+                msg[key] = getattr(self, key)
+        return msg
 
 
 class StreamOptions(_Req):
@@ -207,10 +236,22 @@ class _Sampling(_Req):
         return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+class FunctionDef(_Req):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Req):
+    type: Literal["function"]
+    function: FunctionDef
+
+
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # required / named: a constraint
     response_format: ResponseFormat | None = None
     parallel_tool_calls: bool | None = None
@@ -230,16 +271,17 @@ class ChatRequest(_Sampling):
     def forces_tool_call(self) -> bool:
         return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
-    def constraint(self) -> Constraint | None:
-        """The constraint this request asks for: one tool call for tool_choice required / named (a plain JSON object
-        ``{"name", "arguments"}``), else the response_format's; ApiError 400 naming the parameter if it is invalid."""
+    def constraint(self, fmt: ToolCallFormat | None) -> Constraint | None:
+        """The constraint this request asks for: one tool call in the template's call format ``fmt`` for tool_choice
+        required / named, else the response_format's; ApiError 400 naming the parameter if it is invalid."""
         param = "tool_choice" if self.forces_tool_call else "response_format"
         try:
             if self.forces_tool_call:
                 if not self.tools:
                     raise ConstraintError(f"tool_choice {self.tool_choice!r} needs tools")
                 name = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
-                return tool_call_constraint(self.tools, name)
+                tools = [t.model_dump(exclude_none=True) for t in self.tools]
+                return tool_call_constraint(tools, name, prefix=fmt.prefix, suffix=fmt.suffix, arguments_key=fmt.arguments_key)
             return self.response_format.constraint() if self.response_format is not None else None
         except ConstraintError as e:
             raise ApiError(400, str(e), param=param, code="invalid_value") from None
@@ -282,8 +324,16 @@ class Job:
     record: dict[str, Any] | None = None  # messages and note for the session recorder
     logprobs_k: int | None = None  # None: no logprobs; else the top list's length (generate's logprobs_k)
     constraint: Constraint | None = None
-    tool_call: bool = False  # the constraint is a tool call: the reply is message.tool_calls
+    tool_format: ToolCallFormat | None = None  # None: the reply is text only
+    tools: dict[str, dict | None] = field(default_factory=dict)  # function name -> strict schema or None
+    parallel_tool_calls: bool = True
     cancel: threading.Event = field(default_factory=threading.Event)
+
+    def reply(self, res: GenerationResult) -> Reply:
+        """The assistant reply of ``res``: its tool calls parsed when the request offered tools."""
+        if self.tool_format is None:
+            return Reply(res.text)
+        return self.tool_format.parse(res.text, self.tools, call_id_seed=res.kv_sha256, parallel=self.parallel_tool_calls)
 
 
 class _Session:
@@ -291,14 +341,18 @@ class _Session:
         self.path = path
         self.turns: list[TurnRecord] = []
         self.history: list[int] = []  # last prompt + its generated tokens
+        self.messages: list[dict] = []  # the last chat request's messages (its reply is the next message)
         self.n_messages = 0  # messages the next request repeats (the last request's plus the assistant reply)
 
 
 class Recorder:
     """Writes every finished request into session files that ``detinfer replay`` re-executes.
 
-    A request whose prompt token ids extend a recorded session's last prompt + output is appended to it as a turn
-    (appended_token_ids = the new tokens); otherwise it starts a new session file. Runs on the worker thread only.
+    A chat request that repeats a recorded session's last request's messages followed by an assistant message (the
+    reply, as text or tool calls, however the client re-sends it) continues that session, as does any request whose
+    prompt token ids extend a session's last prompt + output. The turn records the tokens appended after the longest
+    common prefix with the history (and ``kept_tokens`` when that is not all of it, as for a client that re-sends
+    its calls as text); otherwise the request starts a new session file. Runs on the worker thread only.
     """
 
     MAX_OPEN = 256  # sessions remembered for matching
@@ -310,21 +364,35 @@ class Recorder:
         self.next_id = max(taken, default=0) + 1
         self.sessions: list[_Session] = []
 
-    def add(self, job: Job, res: GenerationResult, sampling: dict[str, Any], seconds: float) -> Path:
-        prompt = job.prompt
+    def _continued(self, prompt: list[int], messages: list[dict], chat: bool) -> _Session | None:
+        def by_messages(s: _Session) -> bool:
+            n = len(s.messages)
+            return chat and 0 < n < len(messages) - 1 and messages[:n] == s.messages and messages[n]["role"] == "assistant"
+
+        match = [s for s in self.sessions if by_messages(s)]
+        if match:
+            return max(match, key=lambda s: len(s.messages))
         match = [s for s in self.sessions if len(s.history) < len(prompt) and prompt[: len(s.history)] == s.history]
-        sess = max(match, key=lambda s: len(s.history), default=None)
+        return max(match, key=lambda s: len(s.history), default=None)
+
+    def add(self, job: Job, res: GenerationResult, sampling: dict[str, Any], seconds: float) -> Path:
+        prompt, chat = job.prompt, job.record["chat"]
         messages = job.record["messages"]
+        sess = self._continued(prompt, messages, chat)
         is_new = sess is None
         if sess is None:
             sess = _Session(self.dir / f"session-{self.next_id:06d}.json")
             new_messages = messages
         else:
-            new_messages = messages[sess.n_messages:] if job.record["chat"] else messages
+            new_messages = messages[sess.n_messages:] if chat else messages
+        kept = 0
+        while kept < min(len(sess.history), len(prompt) - 1) and sess.history[kept] == prompt[kept]:
+            kept += 1
+        reply = job.reply(res)
         turn = TurnRecord(
             messages=[ChatMessage(**m) for m in new_messages],
             sampling=sampling,
-            appended_token_ids=prompt[len(sess.history):],
+            appended_token_ids=prompt[kept:],
             generated_token_ids=res.tokens,
             text=res.text,
             stop_reason=res.stop_reason,
@@ -333,6 +401,9 @@ class Recorder:
             logits_digests=res.digests,
             template_note=job.record.get("note"),
             seconds=round(seconds, 4),
+            kept_tokens=kept if kept < len(sess.history) else None,
+            tool_calls=reply.tool_calls or None,
+            tool_call_format=job.tool_format.name if reply.tool_calls else None,
             constraint=job.constraint,
             mask_digests=res.mask_digests if job.constraint is not None else None,
         )
@@ -340,6 +411,7 @@ class Recorder:
         write_session(new_record(self.engine, sess.turns + [turn], self.template), sess.path)
         sess.turns.append(turn)
         sess.history = prompt + res.tokens
+        sess.messages = messages if chat else []
         sess.n_messages = len(messages) + 1
         if is_new:
             self.next_id += 1
@@ -448,31 +520,42 @@ class Server:
         self.admitted -= 1
 
     # preparation (runs in a thread) ---------------------------------------------------------
-    def prepare_chat(self, req: ChatRequest) -> tuple[list[int], list[dict]]:
-        tok, tpl = self.engine.tokenizer, self.settings.chat_template or self.engine.chat_template
+    def template(self) -> ChatTemplate:
+        tpl = self.settings.chat_template or self.engine.chat_template
         if tpl is None:
             raise ApiError(400, f"{self.model_id} has no chat template; use /v1/completions, or start the server with "
                                 "--chat-template", param="messages")  # fmt: skip
-        messages = []
-        for i, m in enumerate(req.messages):
-            content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
-            if m.content is None and not m.tool_calls:
-                raise ApiError(400, f"messages.{i}.content is required", param=f"messages.{i}.content")
-            msg: dict[str, Any] = {"role": m.role, "content": content}
-            if m.tool_calls:
-                msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
-            for key in ("name", "tool_call_id"):
-                if getattr(m, key) is not None:
-                    msg[key] = getattr(m, key)
-            messages.append(msg)
+        return tpl
+
+    def tool_format(self, tools: list[Tool] | None) -> ToolCallFormat | None:
+        """The call format of the chat template when the request has tools; a 400 naming the fix when the template
+        cannot render tools or writes calls in no format detinfer parses (tools are never silently dropped)."""
+        if not tools:
+            return None
+        tpl = self.template()
+        fmt = format_for_template(tpl.source)
+        if not tpl.renders_tools() or fmt is None:
+            what = "does not render tools" if not tpl.renders_tools() else "writes tool calls in no format detinfer parses"
+            raise ApiError(400, f"the chat template of {self.model_id} {what}; start the server with "
+                                "--chat-template chatml-tools", param="tools", code="unsupported_value")  # fmt: skip
+        return fmt
+
+    def prepare_chat(self, req: ChatRequest) -> tuple[list[int], list[dict]]:
+        tok, tpl = self.engine.tokenizer, self.template()
+        self.tool_format(req.tools)
+        messages = [m.template_dict(i) for i, m in enumerate(req.messages)]
+        for msg in messages:  # HF templates expect arguments as objects (transformers' chat template docs)
+            for call in msg.get("tool_calls", []):
+                call["function"]["arguments"] = _json_object(call["function"]["arguments"])
         bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
         eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
-        rendered = tpl.render(messages, add_generation_prompt=True, bos_token=bos, eos_token=eos, tools=req.tools)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        rendered = tpl.render(messages, add_generation_prompt=True, bos_token=bos, eos_token=eos, tools=tools)
         return tok.encode(rendered, add_bos=tpl.add_bos, parse_special=True), messages
 
     def prepare_constraint(self, req: ChatRequest) -> Constraint | None:
         """The request's constraint, compiled once against the vocabulary so a bad one is a 400 before any token."""
-        constraint = req.constraint()
+        constraint = req.constraint(self.tool_format(req.tools) if req.forces_tool_call else None)
         if constraint is not None:
             try:
                 constraint.check(self.engine.tokenizer)
@@ -500,7 +583,9 @@ class Server:
                            "(at least one must remain for the completion)", param="messages", code="context_length_exceeded")  # fmt: skip
 
     # serving --------------------------------------------------------------------------------
-    async def serve(self, request: Request, req: ChatRequest | CompletionRequest) -> Response:
+    async def submit(self, req: ChatRequest | CompletionRequest) -> tuple[Job, asyncio.Queue, Callable[[], None]]:
+        """Admit, prepare and queue ``req``: (its job, the queue of its worker events, the release of its admission
+        slot, to be called once when the response is done)."""
         chat = isinstance(req, ChatRequest)
         self.admit()
         released = False
@@ -516,7 +601,7 @@ class Server:
                 if chat:
                     prompt, messages = await anyio.to_thread.run_sync(self.prepare_chat, req)
                     constraint = await anyio.to_thread.run_sync(self.prepare_constraint, req)
-                    record = {"chat": True, "messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
+                    record = {"chat": True, "messages": messages}
                 else:
                     prompt = await anyio.to_thread.run_sync(self.prepare_completion, req)
                     constraint = None
@@ -530,19 +615,20 @@ class Server:
             loop = asyncio.get_running_loop()
             events: asyncio.Queue = asyncio.Queue()
             job = Job(prompt, params, max_tokens, req.stops, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
-                      stream=bool(req.stream), record=record, logprobs_k=req.logprobs_k, constraint=constraint,
-                      tool_call=chat and req.forces_tool_call)  # fmt: skip
+                      stream=bool(req.stream), record=record, logprobs_k=req.logprobs_k, constraint=constraint)  # fmt: skip
+            if chat and req.tools and req.tool_choice != "none":
+                job.tool_format = self.tool_format(req.tools)
+                job.tools = {t.function.name: t.function.parameters if t.function.strict else None for t in req.tools}
+                job.parallel_tool_calls = req.parallel_tool_calls is not False
             self.worker.jobs.put(job)
         except BaseException:
             release_once()
             raise
-        meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
-                "model": self.model_id, "system_fingerprint": self.fingerprint}  # fmt: skip
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _BoundedStream(self._sse(job, events, meta, chat, include_usage, len(prompt), release_once),
-                                  self.settings.send_timeout, media_type="text/event-stream",
-                                  headers={"Cache-Control": "no-cache"})  # fmt: skip
+        return job, events, release_once
+
+    async def collect(self, request: Request, job: Job, events: asyncio.Queue,
+                      release: Callable[[], None]) -> tuple[GenerationResult, list[Step]] | None:  # fmt: skip
+        """Wait for a non-streamed job: (its result, its steps), or None if the client went away (job cancelled)."""
         steps: list[Step] = []
         try:
             while True:
@@ -551,25 +637,39 @@ class Server:
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
                         job.cancel.set()
-                        return Response(status_code=499)
+                        return None
                     continue
                 if kind == "error":
                     raise payload
                 if kind == "step":
                     steps.append(payload)
                 if kind == "done":
-                    break
+                    return payload, steps
         finally:
             job.cancel.set()
-            release_once()
-        res: GenerationResult = payload
-        body = dict(meta, object="chat.completion" if chat else "text_completion", usage=self._usage(len(prompt), res))
-        call = _tool_call(job, res)
-        choice = {"index": 0, "finish_reason": TOOL_CALLS if call else FINISH[res.stop_reason], "logprobs": None}
+            release()
+
+    async def serve(self, request: Request, req: ChatRequest | CompletionRequest) -> Response:
+        chat = isinstance(req, ChatRequest)
+        job, events, release_once = await self.submit(req)
+        n_prompt = len(job.prompt)
+        meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
+                "model": self.model_id, "system_fingerprint": self.fingerprint}  # fmt: skip
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _BoundedStream(self._sse(job, events, meta, chat, include_usage, n_prompt, release_once),
+                                  self.settings.send_timeout, media_type="text/event-stream",
+                                  headers={"Cache-Control": "no-cache"})  # fmt: skip
+        done = await self.collect(request, job, events, release_once)
+        if done is None:
+            return Response(status_code=499)
+        res, steps = done
+        body = dict(meta, object="chat.completion" if chat else "text_completion", usage=self._usage(n_prompt, res))
+        reply = job.reply(res)
+        choice = {"index": 0, "finish_reason": "tool_calls" if reply.tool_calls else FINISH[res.stop_reason], "logprobs": None}
         if job.logprobs_k is not None:
             choice["logprobs"] = self._logprobs(chat, steps, 0)
-        message = {"role": "assistant", "content": None, "tool_calls": [call]} if call else {"role": "assistant", "content": res.text}
-        choice.update({"message": message} if chat else {"text": res.text})
+        choice.update({"message": reply.message()} if chat else {"text": res.text})
         body["choices"] = [choice]
         return JSONResponse(body, headers={"x-detinfer-output-sha256": tokens_sha256(res.tokens), "x-detinfer-kv-sha256": res.kv_sha256})
 
@@ -614,6 +714,7 @@ class Server:
             return "data: " + json.dumps(dict(meta, object=obj, choices=[choice], **extra), ensure_ascii=False) + "\n\n"
 
         offset = 0  # characters of completion text sent so far (completions' text_offset)
+        splitter = StreamSplitter(job.tool_format) if job.tool_format is not None else None
         try:
             if chat:
                 yield chunk({"role": "assistant", "content": ""}, None, None)
@@ -624,21 +725,21 @@ class Server:
                     break
                 if kind == "step":
                     step: Step = payload
-                    text = "" if job.tool_call else step.text  # a tool call is sent whole, once it has parsed
+                    offset += len(step.text)
+                    text = step.text if splitter is None else splitter.feed(step.text)
                     if job.logprobs_k is not None and step.token is not None:
-                        yield chunk({"content": text}, text, None, self._logprobs(chat, [step], offset))
+                        yield chunk({"content": text}, text, None, self._logprobs(chat, [step], offset - len(step.text)))
                     elif text:
                         yield chunk({"content": text}, text, None)
-                    offset += len(text)
                     continue
                 res: GenerationResult = payload
+                reply = job.reply(res)
+                if splitter is not None and (rest := splitter.rest(reply, res.text)):
+                    yield chunk({"content": rest}, rest, None)
+                for i, call in enumerate(reply.tool_calls):
+                    yield chunk({"tool_calls": [dict(call, index=i)]}, None, None)
                 ext = {"detinfer": {"output_sha256": tokens_sha256(res.tokens), "kv_sha256": res.kv_sha256}}
-                call = _tool_call(job, res)
-                if call:
-                    yield chunk({"tool_calls": [dict(call, index=0)]}, None, None)
-                elif job.tool_call and res.text:  # cut short (max_tokens): the partial text, as without tools
-                    yield chunk({"content": res.text}, None, None)
-                yield chunk({}, "", TOOL_CALLS if call else FINISH[res.stop_reason], **ext)
+                yield chunk({}, "", "tool_calls" if reply.tool_calls else FINISH[res.stop_reason], **ext)
                 if include_usage:
                     yield "data: " + json.dumps(dict(meta, object=obj, choices=[], usage=self._usage(n_prompt, res))) + "\n\n"
                 break
@@ -670,17 +771,13 @@ class _BoundedStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-def _tool_call(job: Job, res: GenerationResult) -> dict | None:
-    """The tool call of a finished tool-call-constrained generation (None if it was cut short or unconstrained).
-
-    Its id is derived from the prompt and output token hashes, so the same request always gets the same id.
-    """
-    if not job.tool_call or res.stop_reason != "eos":
-        return None
-    call = json.loads(res.text)  # the grammar guarantees {"name": ..., "arguments": {...}}
-    digest = hashlib.sha256(f"{tokens_sha256(job.prompt)}:{tokens_sha256(res.tokens)}".encode()).hexdigest()
-    return {"id": f"call_{digest[:24]}", "type": "function",
-            "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}
+def _json_object(arguments: str) -> Any:
+    """Tool call arguments as the object they encode, or the text as it is when it is not a JSON object."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
 
 
 def _finite(logprob: float) -> float:
@@ -725,7 +822,10 @@ def _parse(model: type[_Sampling], data: dict) -> _Sampling:
 
 def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> FastAPI:
     """The FastAPI app serving ``engine``; the decode worker starts and stops with the app's lifespan."""
+    from .responses import Responses  # it builds on this module
+
     server = Server(engine, settings)
+    responses = Responses(server)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -771,6 +871,10 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await server.serve(request, _parse(ChatRequest, await _read_json(request, settings.max_body_bytes, settings.body_timeout)))
+
+    @app.post("/v1/responses")
+    async def responses_(request: Request):
+        return await responses.serve(request, await _read_json(request, settings.max_body_bytes))
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -29,7 +29,7 @@ from .run import first_difference, model_record, recorded_template, template_rec
 from .sampler import SamplingParams
 
 SESSION_SCHEMA_VERSION = 3
-READABLE_SESSION_SCHEMAS = (1, 2, 3)  # 1: before ``chat_template``; 2: before per-turn ``constraint``
+READABLE_SESSION_SCHEMAS = (1, 2, 3)  # 1: before ``chat_template``; 2: before per-turn ``constraint``, tool calls, ``kept_tokens``
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -37,9 +37,16 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class ChatMessage(_Strict):
+class ChatMessage(OmitNone, _Strict):
+    """A message as the chat template sees it. ``tool_calls``: an assistant's calls, OpenAI-shaped
+    (``{"id", "type", "function": {"name", "arguments"}}``); ``tool_call_id``: the call a tool message answers."""
+
+    OMIT_NONE = ("name", "tool_calls", "tool_call_id")
     role: Literal["system", "user", "assistant", "tool"]
     content: str
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class TurnSampling(_Strict):
@@ -98,6 +105,12 @@ class _Limits(_Strict):
 
 
 class TurnRecord(OmitNone, _Strict):
+    """One turn. ``kept_tokens``: how many tokens of the history (previous prompt + output) the turn keeps before
+    its appended tokens (None: all of them), for a client that re-sent the history rendered differently from the
+    tokens, e.g. a tool call. ``tool_calls``: the calls parsed from ``text`` (format ``tool_call_format``).
+    ``constraint``: the grammar this turn's output had to match, with its ``mask_digests`` chain."""
+
+    OMIT_NONE = ("kept_tokens", "tool_calls", "tool_call_format", "constraint", "mask_digests")
     messages: list[ChatMessage]
     sampling: dict[str, Any]  # effective_sampling(): checked by load_session with _Limits and SamplingParams
     appended_token_ids: list[TokenId]
@@ -109,10 +122,11 @@ class TurnRecord(OmitNone, _Strict):
     logits_digests: list[str]
     template_note: str | None = None
     seconds: float = Field(default=0.0, description="informative: never compared")
-    constraint: Constraint | None = None  # the grammar this turn's output had to match (an input of the turn)
-    mask_digests: list[str] | None = None  # constrained turns only: constrain.mask_digest chain
-
-    OMIT_NONE = ("constraint", "mask_digests")
+    kept_tokens: Count | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_format: str | None = None
+    constraint: Constraint | None = None
+    mask_digests: list[str] | None = None
 
 
 class SessionRecord(_Strict):
@@ -196,9 +210,14 @@ class Conversation:
             note = "the chat template renders the history differently from its tokens; the token history was kept"
         return tok.encode(delta, add_bos=False, parse_special=True), note
 
-    def add_turn(self, messages: list[dict], appended: list[int], generated: list[int], text: str) -> None:
-        self.messages += messages + [{"role": "assistant", "content": text}]
-        self.tokens += appended + generated
+    def add_turn(self, messages: list[dict], appended: list[int], generated: list[int], text: str,
+                 tool_calls: list[dict] | None = None, kept: int | None = None) -> None:  # fmt: skip
+        """Append a turn; ``kept``: history tokens the turn kept (the rest are dropped first), ``tool_calls``: the reply's calls."""
+        reply: dict[str, Any] = {"role": "assistant", "content": text}
+        if tool_calls:
+            reply.update(content="", tool_calls=tool_calls)
+        self.messages += messages + [reply]
+        self.tokens = self.tokens[:kept] + appended + generated
 
 
 def run_turn(
@@ -210,6 +229,8 @@ def run_turn(
     *,
     appended: list[int] | None = None,
     note: str | None = None,
+    kept: int | None = None,
+    tool_calls: list[dict] | None = None,
     on_step: Callable[[Step], None] | None = None,
     prefix_cache: PrefixCache | None = None,
     constraint: Constraint | None = None,
@@ -217,16 +238,22 @@ def run_turn(
     """Append ``messages`` (or the recorded ``appended`` token ids, when replaying) and generate one turn, its output
     matching ``constraint`` if given.
 
+    Replaying, ``kept`` (a turn's ``kept_tokens``) drops the history after that many tokens first, and ``tool_calls``
+    (the recorded reply's calls) go into the message history that later scripted turns are rendered after.
+
     The cache is reused for whatever prefix it holds; with ``prefix_cache``, a longer cached prefix (from another
     conversation or an earlier branch) is restored first, and the turn's final cache is stored there. Reuse is
     exact either way. Raises InputError naming the token counts if the turn would overflow n_ctx.
     """
     if appended is None:
         appended, note = conv.append_messages(messages)
-    prompt = conv.tokens + appended
+    if kept is not None and kept > len(conv.tokens):
+        raise InputError(f"the turn keeps {kept} history tokens but the history has {len(conv.tokens)}")
+    history = conv.tokens[:kept]
+    prompt = history + appended
     if len(prompt) >= engine.n_ctx:
         raise InputError(
-            f"the conversation would reach {len(prompt)} tokens ({len(conv.tokens)} history + {len(appended)} new) "
+            f"the conversation would reach {len(prompt)} tokens ({len(history)} history + {len(appended)} new) "
             f"but the context holds {engine.n_ctx}; raise --ctx"
         )
     check_prompt(engine, prompt)
@@ -250,10 +277,11 @@ def run_turn(
         logits_digests=res.digests,
         template_note=note,
         seconds=round(time.perf_counter() - t0, 4),
+        kept_tokens=kept,
         constraint=constraint,
         mask_digests=res.mask_digests if constraint is not None else None,
     )
-    conv.add_turn(messages, appended, res.tokens, res.text)
+    conv.add_turn(messages, appended, res.tokens, res.text, tool_calls, kept)
     if prefix_cache is not None:
         prefix_cache.store(cache)
     return record
@@ -336,8 +364,8 @@ def run_session(
     if prior is not None:
         for i, turn in enumerate(prior.turns):
             rec = run_turn(engine, conv, cache, [m.model_dump() for m in turn.messages], turn.sampling,
-                           appended=turn.appended_token_ids, note=turn.template_note, prefix_cache=prefix_cache,
-                           constraint=_recorded_constraint(turn))
+                           appended=turn.appended_token_ids, note=turn.template_note, kept=turn.kept_tokens,
+                           tool_calls=turn.tool_calls, prefix_cache=prefix_cache, constraint=_recorded_constraint(turn))
             if compare_turn(turn, rec):
                 raise ManifestError(f"turn {i + 1} of the recorded session does not replay exactly; cannot branch from it")
             records.append(turn)
@@ -385,7 +413,8 @@ def _recorded_constraint(turn: TurnRecord) -> Constraint | None:
 
 def compare_turn(expected: TurnRecord, actual: TurnRecord) -> list[str]:
     """Contract fields of a turn that differ (timings are never compared)."""
-    fields = ("appended_token_ids", "generated_token_ids", "text", "stop_reason", "kv_sha256", "logits_digests", "mask_digests")
+    fields = ("kept_tokens", "appended_token_ids", "generated_token_ids", "text", "stop_reason", "kv_sha256", "logits_digests",
+              "mask_digests")
     return [f for f in fields if getattr(expected, f) != getattr(actual, f)]
 
 
@@ -419,8 +448,9 @@ def replay_turns(
         elif kv_dir is not None and i > 0:
             cache = _restore_snapshot(engine, Path(kv_dir) / f"turn-{i:03d}.detkv", record.turns[i - 1].kv_sha256, warn) or cache
         actual = run_turn(engine, conv, cache, [m.model_dump() for m in turn.messages], turn.sampling,
-                          appended=turn.appended_token_ids, note=turn.template_note,
-                          prefix_cache=prefix_cache if use_cache else None, constraint=_recorded_constraint(turn))
+                          appended=turn.appended_token_ids, note=turn.template_note, kept=turn.kept_tokens,
+                          tool_calls=turn.tool_calls, prefix_cache=prefix_cache if use_cache else None,
+                          constraint=_recorded_constraint(turn))
         diffs = compare_turn(turn, actual)
         firsts = (first_difference(turn.logits_digests, actual.logits_digests),
                   first_difference(turn.generated_token_ids, actual.generated_token_ids))

@@ -17,6 +17,7 @@ from detinfer.gguf_file import ModelFile
 from detinfer.manifest import SCHEMA_VERSION, load_manifest
 from detinfer.registry import ensure_model
 from detinfer.tokenizer import Tokenizer
+from detinfer.session import SESSION_SCHEMA_VERSION
 
 USER = [{"role": "user", "content": "Hi"}]
 
@@ -233,11 +234,11 @@ def test_template_option_resolves_builtin_then_file(tmp_path: Path):
     t = ChatTemplate.from_option(str(f))
     assert (t.origin, t.name, t.add_bos) == ("file", "mine.jinja", False)
     assert t.render(USER) == "[Hi]"
-    with pytest.raises(InputError, match=r"'nope\.jinja' is neither a file nor a built-in format \(gemma, chatml\)"):
+    with pytest.raises(InputError, match=r"'nope\.jinja' is neither a file nor a built-in format \(gemma, chatml, chatml-tools\)"):
         ChatTemplate.from_option("nope.jinja")
-    with pytest.raises(TemplateError, match="no built-in chat format 'llama9'; built-in formats: gemma, chatml"):
+    with pytest.raises(TemplateError, match="no built-in chat format 'llama9'; built-in formats: gemma, chatml, chatml-tools"):
         ChatTemplate.builtin("llama9")
-    assert set(BUILTIN_TEMPLATES) == {"gemma", "chatml"}
+    assert set(BUILTIN_TEMPLATES) == {"gemma", "chatml", "chatml-tools"}
 
 
 @pytest.fixture(scope="module")
@@ -325,7 +326,7 @@ def test_sessions_record_and_replay_a_chat_template(home: Path, plain_model: Pat
     r = cli(home, "session", "run", script, "--model", plain_model, "--ctx", "64", "--chat-template", "chatml", "--out", rec, "-q")
     assert r.exit_code == 0, r.output
     data = json.loads(rec.read_text())
-    assert data["schema_version"] == 2 and data["chat_template"]["name"] == "chatml"
+    assert data["schema_version"] == SESSION_SCHEMA_VERSION and data["chat_template"]["name"] == "chatml"
     assert data["chat_template_sha256"] == ChatTemplate.builtin("chatml").hash
     r = cli(home, "replay", rec, "--json")  # the recorded template is used: the model file has none
     assert r.exit_code == 0, r.output

@@ -122,14 +122,34 @@ def test_completions_stream_equals_nonstream(client):
     assert streamed == r.choices[0].text and r.choices[0].text.strip()
 
 
-def test_tool_messages_accepted(client):
-    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}]
-    r = client.chat.completions.create(model="x", temperature=0, max_tokens=4, tools=tools, tool_choice="auto", messages=[
-        {"role": "user", "content": "What is 2+3?"},
-        {"role": "assistant", "content": None, "tool_calls": [
+def test_tool_round_trip_messages_accepted_as_openai_clients_send_them(client):
+    """A tool round trip, ``refusal: null``, ``name``, the developer role and content-part lists are accepted."""
+    r = client.chat.completions.create(model="x", temperature=0, max_tokens=4, messages=[
+        {"role": "developer", "content": [{"type": "text", "text": "You are "}, {"type": "text", "text": "terse."}]},
+        {"role": "user", "content": "What is 2+3?", "name": "ann"},
+        {"role": "assistant", "content": None, "refusal": None, "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{\"a\": 2, \"b\": 3}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "5"}])
     assert r.usage.completion_tokens >= 1
+    same = client.chat.completions.create(model="x", temperature=0, max_tokens=4, messages=[
+        {"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2+3?", "name": "ann"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{\"a\": 2, \"b\": 3}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "5"}])
+    assert same.usage.prompt_tokens == r.usage.prompt_tokens  # developer is rendered as system, parts joined
+
+
+def test_tools_on_a_template_without_tool_support_are_400_naming_the_fix(client):
+    """SmolLM2's own template ignores ``tools``: the request is refused, never served with the tools dropped."""
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="x", max_tokens=2, tools=tools, messages=[{"role": "user", "content": "2+3?"}])
+    err = info.value.response.json()["error"]
+    assert err["param"] == "tools" and "--chat-template chatml-tools" in err["message"], err
+    with pytest.raises(openai.BadRequestError) as info:  # what cannot be honoured is named
+        client.chat.completions.create(model="x", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}])
+    assert info.value.response.json()["error"]["param"] == "messages.0.content.1"
 
 
 @pytest.mark.parametrize("extra, param", [

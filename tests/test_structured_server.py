@@ -16,6 +16,7 @@ openai = pytest.importorskip("openai")
 
 from test_server import _Running  # noqa: E402
 
+from detinfer.chat import ChatTemplate  # noqa: E402
 from detinfer.constrain import json_schema_constraint  # noqa: E402
 from detinfer.engine import Engine, set_threads  # noqa: E402
 from detinfer.generate import GenerationResult, generate  # noqa: E402
@@ -48,7 +49,9 @@ def record_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(engine, record_dir):
-    running = _Running(create_app(engine, ServerSettings(threads=1, record_dir=record_dir)))
+    # chatml-tools: SmolLM2's own template does not render tools, so a forced tool call needs a tool-aware format
+    settings = ServerSettings(threads=1, record_dir=record_dir, chat_template=ChatTemplate.builtin("chatml-tools"))
+    running = _Running(create_app(engine, settings))
     yield running
     running.stop()
 
