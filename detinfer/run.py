@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Generator, Sequence
 
 import numba
 import numpy as np
@@ -133,9 +133,29 @@ def execute(
     ``on_step`` is called for every step as it is produced (e.g. to stream text to a terminal). ``template``: the
     chat template ``build_prompt`` was given, recorded with its text unless it is the model's own.
     """
+    steps = execute_steps(engine, prompt, sampling, chunk_size=chunk_size, template=template)
+    while True:
+        try:
+            step = next(steps)
+        except StopIteration as done:
+            return done.value
+        if on_step is not None:
+            on_step(step)
+
+
+def execute_steps(
+    engine: Engine,
+    prompt: PromptRecord,
+    sampling: SamplingRecord,
+    *,
+    chunk_size: int = DEFAULT_CHUNK,
+    template: ChatTemplate | None = None,
+) -> Generator[Step, None, RunManifest]:
+    """``execute`` as a generator: yields each Step as it is produced and returns the sealed manifest (the value
+    of its StopIteration)."""
     params = SamplingParams.from_dict(sampling.model_dump(exclude={"max_tokens", "stop", "ignore_eos"}))
     res = GenerationResult()
-    for step in generate(
+    yield from generate(
         engine,
         prompt.token_ids,
         params,
@@ -144,9 +164,7 @@ def execute(
         ignore_eos=sampling.ignore_eos,
         chunk_size=chunk_size,
         result=res,
-    ):
-        if on_step is not None:
-            on_step(step)
+    )
     output = OutputRecord(
         token_ids=res.tokens,
         text=res.text,
