@@ -16,11 +16,11 @@ from pydantic import ValidationError
 
 from .engine import Engine
 from .errors import DetinferError, ManifestError
-from .golden import GoldenRecord
 from .kvcache import parse_kv_type
 from .manifest import EngineRecord, PromptRecord, RunManifest, SamplingRecord, load_manifest, tokens_sha256
 from .registry import name_for_sha256
 from .run import Difference, engine_for_manifest, excerpts, execute, reexecute
+from .tokenstream import RunStream
 
 MATCH, MISMATCH, BAD_INPUT = "match", "mismatch", "bad input"
 
@@ -54,6 +54,20 @@ class VerifyResult:
         d = {k: v for k, v in self.__dict__.items() if k != "divergence"}
         d["divergence"] = self.divergence.__dict__ if self.divergence else None
         return d
+
+    def report(self) -> list[str]:
+        """What differs, as plain lines (empty for a match): the message, each differing field, the first
+        divergent step with the expected and actual token, and the top-5 logits there."""
+        if self.status == MATCH:
+            return []
+        lines = [self.message.removeprefix(f"{self.path}: ")]  # load errors name the file already
+        lines += [f"  {d['field']}: expected {d['expected']} got {d['actual']}" for d in self.differences]
+        if (dv := self.divergence) is not None:
+            lines.append(f"  first divergent step {dv.step}: expected token {dv.expected_token} {dv.expected_text}, "
+                         f"got {dv.actual_token} {dv.actual_text}")
+            if dv.expected_top or dv.actual_top:
+                lines += [f"  top-5 expected {dv.expected_top}", f"  top-5 actual   {dv.actual_top}"]
+        return lines
 
 
 def collect(paths: Iterable[str | Path]) -> list[Path]:
@@ -94,10 +108,10 @@ def _is_golden(path: Path) -> bool:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return isinstance(data, dict) and "case" in data and "schema_version" not in data
+    return isinstance(data, dict) and "output_token_ids" in data and "schema_version" not in data
 
 
-def _golden_settings(path: Path, record: GoldenRecord) -> tuple[int, str, bool, SamplingRecord]:
+def _golden_settings(path: Path, record: RunStream) -> tuple[int, str, bool, SamplingRecord]:
     """(n_ctx, kv_type, chat, sampling) from a golden record's settings; ManifestError naming a missing or bad key."""
     settings = dict(record.settings)
     try:
@@ -116,11 +130,12 @@ def _golden_settings(path: Path, record: GoldenRecord) -> tuple[int, str, bool, 
 
 
 def verify_golden(path: Path, engines: dict[tuple, Engine], *, model: str | None = None) -> VerifyResult:
-    """Re-run a golden token stream (golden/<case>.json) from its settings and compare tokens and text."""
+    """Re-run a golden token stream (golden/<case>.json, or a pytest snapshot of a run) from its settings and compare
+    tokens, text and stop reason."""
     t0 = time.perf_counter()
     try:
         try:
-            record = GoldenRecord.model_validate_json(path.read_text(encoding="utf-8"))
+            record = RunStream.model_validate_json(path.read_text(encoding="utf-8"))
         except ValidationError as e:
             raise ManifestError(f"{path} is not a valid golden record: {e.errors()[0]['msg']}") from None
         n_ctx, kv_type, chat, sampling = _golden_settings(path, record)
@@ -142,7 +157,8 @@ def verify_golden(path: Path, engines: dict[tuple, Engine], *, model: str | None
         return VerifyResult(str(path), BAD_INPUT, message=str(e), seconds=time.perf_counter() - t0)
     diffs = [
         Difference(name, *excerpts(a, b)).__dict__
-        for name, a, b in (("output_token_ids", record.output_token_ids, actual.output.token_ids), ("output_text", record.output_text, actual.output.text))
+        for name, a, b in (("output_token_ids", record.output_token_ids, actual.output.token_ids), ("output_text", record.output_text, actual.output.text),
+                           ("stop_reason", record.stop_reason, actual.output.stop_reason))
         if a != b
     ]
     result = VerifyResult(str(path), MISMATCH if diffs else MATCH, model=engine.model_file.path.name, steps=len(record.output_token_ids),
