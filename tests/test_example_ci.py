@@ -87,24 +87,30 @@ def test_opting_out_removes_the_fixtures(project: Path):
 
 
 def test_verify_writes_junit_and_github_annotations(project: Path, tmp_path: Path):
-    r = run([*DETINFER, "verify", "manifests/", "--threads", "1", "--junit-xml", str(tmp_path / "ok.xml")], project)
+    """One test case per manifest, session record and snapshot (run or session), each re-executed."""
+    r = run([*DETINFER, "verify", "manifests/", "sessions/", str(SNAPSHOTS), "--threads", "1", "--junit-xml", str(tmp_path / "ok.xml")], project)
     assert r.returncode == 0, r.stdout + r.stderr
     suite = ET.parse(tmp_path / "ok.xml").getroot().find("testsuite")
-    assert (suite.get("tests"), suite.get("failures"), suite.get("errors")) == ("2", "0", "0")
-    assert [c.get("name") for c in suite.iter("testcase")] == ["manifests/capital.json", "manifests/haiku.json"]
+    assert (suite.get("tests"), suite.get("failures"), suite.get("errors")) == ("7", "0", "0")
+    names = [c.get("name") for c in suite.iter("testcase")]
+    assert names[:3] == ["manifests/capital.json", "manifests/haiku.json", "sessions/agent.json"] and str(CAPITAL) in names
 
-    bad = tmp_path / "capital.json"  # a run snapshot is a golden record: verify re-executes it too
+    bad, bad_session = tmp_path / "capital.json", tmp_path / "session.json"
     shutil.copy(project / CAPITAL, bad)
     perturb(bad, 5, 3575)
-    files = [str(project / "manifests" / "capital.json"), str(bad)]
+    session = json.loads((project / SNAPSHOTS / "test_agent_session.json").read_text())
+    session["turns"][2]["output_text"] += "!"
+    bad_session.write_text(json.dumps(session))
+    files = [str(project / "manifests" / "capital.json"), str(bad), str(bad_session)]
     r = run([*DETINFER, "verify", *files, "--threads", "1", "--junit-xml", str(tmp_path / "bad.xml")], project, GITHUB_ACTIONS="true")
     assert r.returncode == 1, r.stdout + r.stderr
     cases = {c.get("name"): c for c in ET.parse(tmp_path / "bad.xml").getroot().iter("testcase")}
     assert cases[files[0]].find("failure") is None
     failure = cases[str(bad)].find("failure")
     assert failure.get("type") == "mismatch" and "first divergent step 5: expected token 3575 ' capital'" in failure.text
+    assert cases[str(bad_session)].find("failure").get("message") == "turn 3 differs: text"
     annotations = [line for line in r.stdout.splitlines() if line.startswith("::error ")]
-    assert annotations == [line for line in annotations if line.startswith(f"::error file={bad},title=detinfer verify%3A mismatch::")]
-    assert len(annotations) == 1 and "%0A  first divergent step 5" in annotations[0]
+    assert [a.split("::")[1] for a in annotations] == [f"error file={f},title=detinfer verify%3A mismatch" for f in files[1:]]
+    assert "%0A  first divergent step 5" in annotations[0]
     r = run([*DETINFER, "verify", *files, "--threads", "1"], project)  # off GitHub: no annotation lines
     assert r.returncode == 1 and "::error" not in r.stdout
