@@ -4,9 +4,14 @@ model, checked against the committed golden streams, the CLI's manifests and Ope
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
+from openai import OpenAI
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
@@ -114,3 +119,32 @@ def test_bad_input_is_a_typed_one_line_error(llm: detinfer.LLM, call, error, nee
     with pytest.raises(error) as e:
         call(llm)
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_served_model_answers_as_the_api(llm: detinfer.LLM, model_path: Path):
+    """`detinfer serve` loads its model through detinfer.load: a real server on loopback, asked with OpenAI's client,
+    gives the API's tokens (same text and usage)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "detinfer.cli", "serve", "--model", str(model_path), "--port", str(port),
+                             "--ctx", "512", "--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                client.models.list()
+                break
+            except Exception:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() is not None else "timeout"
+                time.sleep(0.5)
+        messages = [{"role": "user", "content": "Name three primary colors."}]
+        reply = client.chat.completions.create(model="x", messages=messages, temperature=0.7, top_p=0.9, seed=42, max_tokens=12)
+        ours = ChatCompletion.model_validate(llm.chat(messages, temperature=0.7, top_p=0.9, seed=42, max_tokens=12).to_openai())
+        assert reply.choices[0].message.content == ours.choices[0].message.content
+        assert reply.usage.model_dump(include={"prompt_tokens", "completion_tokens"}) == ours.usage.model_dump(include={"prompt_tokens", "completion_tokens"})
+        assert reply.choices[0].finish_reason == ours.choices[0].finish_reason
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
