@@ -70,14 +70,18 @@ def cpu_level() -> str:
 
 
 def cache_key(model: str | None = None) -> str:
-    """The CI cache key of a model and its compiled kernels: detinfer and numba versions, the model's sha256
-    (registry name, default the registry's default model) and :func:`cpu_level`."""
+    """The CI cache key of a model and its compiled kernels: detinfer, numba and Python versions (numba's cache
+    entries hold code for one Python), the model's sha256 (registry name, default the registry's default model) and
+    :func:`cpu_level`."""
+    import platform
+
     import numba
 
     from . import __version__
     from .registry import DEFAULT_MODEL, get_entry
 
-    return f"detinfer-{__version__}-numba-{numba.__version__}-{get_entry(model or DEFAULT_MODEL).sha256[:16]}-{cpu_level()}"
+    versions = f"detinfer-{__version__}-numba-{numba.__version__}-py{platform.python_version()}"
+    return f"{versions}-{get_entry(model or DEFAULT_MODEL).sha256[:16]}-{cpu_level()}"
 
 
 if __name__ == "__main__":  # python -m detinfer.ci_report [MODEL]: print the CI cache key (examples/ci/)

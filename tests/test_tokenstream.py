@@ -3,6 +3,7 @@ annotation escaping and the CI cache key."""
 
 from __future__ import annotations
 
+import platform
 import re
 import xml.etree.ElementTree as ET
 
@@ -73,5 +74,5 @@ def test_cache_key_names_versions_model_and_cpu():
     level = cpu_level()
     assert re.fullmatch(r"(x86-64-v[1-4]|[a-z0-9_]+)-\S+", level)
     key = cache_key()
-    assert key.startswith("detinfer-0.1.0-numba-") and "-b179c9523d0e6a0f-" in key and key.endswith(level)
+    assert key.startswith("detinfer-0.1.0-numba-") and f"-py{platform.python_version()}-b179c9523d0e6a0f-" in key and key.endswith(level)
     assert cache_key("gemma3-270m-q4_k_m") != key
