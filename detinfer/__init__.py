@@ -1,3 +1,14 @@
-"""detinfer: determinism-first LLM inference on the CPU."""
+"""detinfer: determinism-first LLM inference on the CPU.
+
+``detinfer.load()`` loads a model (:class:`detinfer.LLM`); ``llm.complete`` / ``llm.chat`` / ``llm.stream`` /
+``llm.session`` run it; ``detinfer.verify(paths)`` re-executes recorded runs. See detinfer/api.py.
+"""
 
 __version__ = "0.1.0"
+
+# After __version__ (run.py reads it). The function ``verify`` replaces the submodule of that name as the package's
+# attribute: ``detinfer.verify(paths)``; the module stays importable as ``from detinfer.verify import ...``.
+from .api import Constraint, LLM, Result, Sampling, SessionResult, Step, Stream, VerifyResult, load, verify  # noqa: E402
+from .errors import DetinferError  # noqa: E402
+
+__all__ = ["Constraint", "DetinferError", "LLM", "Result", "Sampling", "SessionResult", "Step", "Stream", "VerifyResult", "load", "verify", "__version__"]

@@ -201,14 +201,13 @@ def run(
     grammar: Annotated[Optional[Path], typer.Option("--grammar", help="Constrain the output to this Lark grammar (file).")] = None,
 ) -> None:
     """Generate text and record a run manifest; or re-execute one with --manifest."""
-    from .engine import Engine, set_threads
-    from .generate import check_prompt
+    from .api import load, sampling_from
+    from .constrain import check_ignore_eos
+    from .chat import load_messages
+    from .engine import set_threads
     from .kvcache import parse_kv_type
     from .manifest import load_manifest, write_manifest
-    from .run import build_prompt, engine_for_manifest, execute, reexecute, sampling_record
-    from .sampler import SamplingParams
-    from .chat import ChatTemplate, load_messages
-    from .constrain import check_ignore_eos
+    from .run import engine_for_manifest, reexecute
 
     def stream(step) -> None:
         if not quiet and step.text:
@@ -252,29 +251,25 @@ def run(
         msgs = load_messages(messages) if messages is not None else None
         if chat_template is not None and not chat and msgs is None:
             raise InputError("--chat-template formats a chat prompt; add --chat (or use --messages)")
-        template = ChatTemplate.from_option(chat_template) if chat_template is not None else None
-        params = SamplingParams.create(
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            repetition_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed,
-        )
-        sampling = sampling_record(params, max_tokens=max_tokens, stop=stop or [], ignore_eos=ignore_eos)
+        options = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                       repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed, stop=stop or [], ignore_eos=ignore_eos)
+        sampling_from(options)  # bad sampling values fail before the model is loaded
         constraint = _constraint_option(json_schema, json_object, regex, grammar)
         check_ignore_eos(constraint, ignore_eos)
-        engine = Engine.load(model, n_ctx=ctx, kv_type=kv_type)
-        prompt_record = build_prompt(engine, text=text, messages=msgs, chat=chat, template=template)
-        check_prompt(engine, prompt_record.token_ids)  # before warming up: a bad prompt should fail fast
-        if constraint is not None:
-            constraint.check(engine.tokenizer)
-        _compile_kernels(engine)
+        llm = load(model, n_ctx=ctx, kv_type=kv_type, threads=threads, chat_template=chat_template)
+        chat_input = msgs if msgs is not None else text if chat else None
+        steps = llm.stream(None if chat_input is not None else text, messages=chat_input, chunk_size=chunk_size,
+                           constraint=constraint, **options)  # fmt: skip
+        _compile_kernels(llm.engine)  # after the prompt and the constraint were checked: bad input fails fast
         if not quiet:
-            err.print(f"[dim]{escape(engine.model_file.path.name)}: {len(prompt_record.token_ids)} prompt tokens[/]")
-        result = execute(engine, prompt_record, sampling, chunk_size=chunk_size, on_step=stream, template=template,
-                         constraint=constraint)
+            err.print(f"[dim]{escape(llm.engine.model_file.path.name)}: {len(steps.prompt_tokens)} prompt tokens[/]")
+        for step in steps:
+            stream(step)
         if not quiet:
             sys.stdout.write("\n")
         if out_path is not None:
-            write_manifest(result, out_path)
-        _summary(result, out_path)
+            steps.result.manifest.save(out_path)
+        _summary(steps.result.manifest, out_path)
     except DetinferError as e:
         _fail(e)
     except KeyboardInterrupt:
@@ -288,12 +283,20 @@ def verify(
     model: ModelOpt = None,
     threads: ThreadsOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per manifest plus a summary.")] = False,
+    junit_xml: Annotated[Optional[Path], typer.Option("--junit-xml", help="Also write a JUnit XML report (one test case per file).")] = None,
 ) -> None:
-    """Re-execute recorded manifests and golden streams; exit 0 all match, 1 any mismatch, 2 bad input."""
+    """Re-execute recorded manifests and golden streams; exit 0 all match, 1 any mismatch, 2 bad input.
+
+    With GITHUB_ACTIONS=true (set on GitHub's runners) each mismatch or bad file is also an ::error annotation
+    line (on stderr with --json, so stdout stays JSON lines)."""
+    import os
+
     from rich.progress import Progress
 
+    from .api import verify as verify_paths
+    from .ci_report import github_annotations, write_junit
     from .engine import set_threads
-    from .verify import BAD_INPUT, MATCH, collect, exit_code, to_json_lines, verify_file
+    from .verify import BAD_INPUT, MATCH, collect, exit_code, to_json_lines
 
     try:
         set_threads(threads)
@@ -306,14 +309,19 @@ def verify(
             raise InputError(f"no manifests found in {', '.join(map(str, paths))}")
     except DetinferError as e:
         _fail(e)
-    results, engines = [], {}
     with Progress(console=err, transient=True, disable=as_json) as progress:
         task = progress.add_task("verifying", total=len(files))
-        for f in files:
-            results.append(verify_file(f, engines, model=model))
-            progress.advance(task)
+        results = verify_paths(files, model=model, threads=threads, on_result=lambda r: progress.advance(task))
+    if junit_xml is not None:
+        try:
+            write_junit(results, junit_xml)
+        except OSError as e:
+            _fail(InputError(f"cannot write --junit-xml {junit_xml}: {e.strerror or e}"))
+    annotations = github_annotations(results) if os.environ.get("GITHUB_ACTIONS") == "true" else []
     if as_json:
         out.print(to_json_lines(results), soft_wrap=True, markup=False, emoji=False)  # data: ":pizza:" stays text
+        for line in annotations:
+            err.print(line, soft_wrap=True, markup=False, emoji=False, highlight=False)
         raise typer.Exit(exit_code(results))
     table = Table("manifest", "model", "steps", "result", "time", "threads")
     for r in results:
@@ -323,15 +331,12 @@ def verify(
     for r in results:
         if r.status == MATCH:
             continue
-        message = r.message.removeprefix(f"{r.path}: ")  # load errors name the file already
-        out.print(f"[bold]{escape(r.path)}[/]: {escape(message)}", soft_wrap=True)
-        for d in r.differences:
-            out.print(f"  {d['field']}: expected {escape(d['expected'])} got {escape(d['actual'])}", soft_wrap=True)
-        if (dv := r.divergence) is not None:
-            out.print(f"  first divergent step {dv.step}: expected token {dv.expected_token} {escape(dv.expected_text)}, "
-                      f"got {dv.actual_token} {escape(dv.actual_text)}", soft_wrap=True)
-            if dv.expected_top or dv.actual_top:
-                out.print(f"  top-5 expected {dv.expected_top}\n  top-5 actual   {dv.actual_top}", soft_wrap=True)
+        first, *rest = r.report()
+        out.print(f"[bold]{escape(r.path)}[/]: {escape(first)}", soft_wrap=True)
+        for line in rest:
+            out.print(line, soft_wrap=True, markup=False, emoji=False)
+    for line in annotations:
+        out.print(line, soft_wrap=True, markup=False, emoji=False, highlight=False)
     raise typer.Exit(exit_code(results))
 
 
@@ -583,20 +588,18 @@ def serve(
 ) -> None:
     """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
     from . import listen
-    from .chat import ChatTemplate
-    from .engine import Engine, set_threads
+    from .api import load
     from .server import ServerSettings, create_app
 
     try:
         _check_outputs({}, {"--record": record_dir})
         sock = listen.bind(host, port)
-        set_threads(threads)  # validate here; the decode worker sets it again on its own thread
-        template = ChatTemplate.from_option(chat_template) if chat_template is not None else None
-        engine = Engine.load(model, n_ctx=ctx, kv_type=kv_type)
+        llm = load(model, n_ctx=ctx, kv_type=kv_type, threads=threads, chat_template=chat_template)  # the decode worker sets threads again on its own thread
+        engine = llm.engine
         _compile_kernels(engine)
         settings = ServerSettings(max_queue=max_queue, max_inflight=max_inflight, threads=threads, cache_bytes=cache_bytes,
                                   record_dir=record_dir, api_key=api_key or None, send_timeout=send_timeout,
-                                  chat_template=template, drain_s=drain, body_timeout=read_timeout)
+                                  chat_template=llm.chat_template, drain_s=drain, body_timeout=read_timeout)
         app_ = create_app(engine, settings)
     except DetinferError as e:
         _fail(e)

@@ -1,7 +1,8 @@
 """The committed cases: golden token streams (golden/) and run manifests (manifests/).
 
-Each case is a prompt plus sampling and engine settings. ``golden/<case>.json`` holds the reduced, reviewable
-record (model sha256, settings, prompt and output token ids, output text) checked by syrupy snapshots;
+Each case is a prompt plus sampling and engine settings. ``golden/<case>.json`` holds the run's token stream
+(detinfer/tokenstream.py: model sha256, settings, prompt and output token ids, output text, stop reason), checked
+by the pytest plugin's syrupy extension like any user's snapshot;
 ``manifests/<case>.json`` holds the full run manifest that ``detinfer verify`` re-executes.
 
 ``python -m detinfer.golden manifests`` (``make manifests``) rewrites manifests/ — a no-op on an unchanged
@@ -15,13 +16,12 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
-
+from .api import Result
 from .chat import ChatTemplate
 from .constrain import Constraint
 from .engine import Engine
 from .errors import DetinferError
-from .manifest import RunManifest, TokenId, canonical_json, load_manifest, write_manifest
+from .manifest import load_manifest, write_manifest
 from .run import build_prompt, execute, sampling_record
 from .sampler import SamplingParams
 
@@ -80,22 +80,9 @@ CASES = (
 )
 
 
-class GoldenRecord(BaseModel):
-    """The reviewable part of a run: what must never move unless a person says so."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    case: str
-    model_sha256: str
-    settings: dict
-    prompt_token_ids: list[TokenId]
-    output_token_ids: list[TokenId]
-    output_text: str
-
-
-def run_case(engines: dict, case: Case, model: str | None = None) -> RunManifest:
-    """Run one case and return its manifest: on ``case.model`` if set, else on ``model`` (None: the default
-    model). Engines are cached by (model, n_ctx, kv_type) in ``engines``."""
+def run_case(engines: dict, case: Case, model: str | None = None) -> Result:
+    """Run one case and return its result (``.manifest``: the run manifest): on ``case.model`` if set, else on
+    ``model`` (None: the default model). Engines are cached by (model, n_ctx, kv_type) in ``engines``."""
     source = case.model or model
     key = (source, case.n_ctx, case.kv_type)
     if key not in engines:
@@ -105,19 +92,7 @@ def run_case(engines: dict, case: Case, model: str | None = None) -> RunManifest
     prompt = build_prompt(engine, text=case.text, chat=case.chat, template=template)
     sampling = sampling_record(SamplingParams.create(**case.sampling), max_tokens=case.max_tokens, stop=case.stop, ignore_eos=case.ignore_eos)
     constraint = Constraint.create(*case.constraint) if case.constraint else None
-    return execute(engine, prompt, sampling, template=template, constraint=constraint)
-
-
-def golden_record(case: Case, m: RunManifest) -> GoldenRecord:
-    return GoldenRecord(
-        case=case.name,
-        model_sha256=m.model.sha256,
-        settings={"chat": case.chat, **m.sampling.model_dump(), **m.engine.model_dump(),
-                  **({"constraint": m.constraint.model_dump()} if m.constraint else {})},
-        prompt_token_ids=m.prompt.token_ids,
-        output_token_ids=m.output.token_ids,
-        output_text=m.output.text,
-    )
+    return Result(execute(engine, prompt, sampling, template=template, constraint=constraint), engine)
 
 
 def write_manifests(folder: Path, model: str | None = None) -> list[tuple[str, str]]:
@@ -126,7 +101,7 @@ def write_manifests(folder: Path, model: str | None = None) -> list[tuple[str, s
     report = []
     for case in CASES:
         path = folder / f"{case.name}.json"
-        m = run_case(engines, case, model)
+        m = run_case(engines, case, model).manifest
         try:
             unchanged = load_manifest(path).contract() == m.contract()
         except DetinferError:
@@ -150,10 +125,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     return 0
-
-
-def golden_json(record: GoldenRecord) -> str:
-    return canonical_json(record.model_dump(mode="json"))
 
 
 if __name__ == "__main__":

@@ -169,6 +169,10 @@ class RunManifest(_Record):
         """This manifest with ``section_sha256`` filled in."""
         return self.model_copy(update={"section_sha256": self.compute_section_sha256()})
 
+    def save(self, path: str | Path) -> None:
+        """Write this manifest to ``path`` (sealed, canonical JSON, atomically): :func:`write_manifest`."""
+        write_manifest(self, path)
+
 
 def canonical_json(data: Any) -> str:
     """Sorted keys, 2-space indent, UTF-8 (not ASCII-escaped), trailing newline: one byte form per content."""

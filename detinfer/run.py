@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Generator, Sequence
 
 import numba
 import numpy as np
@@ -138,9 +138,30 @@ def execute(
     chat template ``build_prompt`` was given, recorded with its text unless it is the model's own. ``constraint``:
     the grammar the output must match (recorded as the ``constraint`` section, with the mask digest chain).
     """
+    steps = execute_steps(engine, prompt, sampling, chunk_size=chunk_size, template=template, constraint=constraint)
+    while True:
+        try:
+            step = next(steps)
+        except StopIteration as done:
+            return done.value
+        if on_step is not None:
+            on_step(step)
+
+
+def execute_steps(
+    engine: Engine,
+    prompt: PromptRecord,
+    sampling: SamplingRecord,
+    *,
+    chunk_size: int = DEFAULT_CHUNK,
+    template: ChatTemplate | None = None,
+    constraint: Constraint | None = None,
+) -> Generator[Step, None, RunManifest]:
+    """``execute`` as a generator: yields each Step as it is produced and returns the sealed manifest (the value
+    of its StopIteration)."""
     params = SamplingParams.from_dict(sampling.model_dump(exclude={"max_tokens", "stop", "ignore_eos"}))
     res = GenerationResult()
-    for step in generate(
+    yield from generate(
         engine,
         prompt.token_ids,
         params,
@@ -150,9 +171,7 @@ def execute(
         chunk_size=chunk_size,
         result=res,
         constraint=constraint,
-    ):
-        if on_step is not None:
-            on_step(step)
+    )
     output = OutputRecord(
         token_ids=res.tokens,
         text=res.text,

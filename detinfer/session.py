@@ -159,12 +159,16 @@ def _params(sampling: dict[str, Any]) -> SamplingParams:
 def load_script(path: str | Path) -> SessionScript:
     """Read a session script; raises InputError (one line) for unreadable, non-JSON or invalid scripts."""
     path = Path(path)
-    data = read_json(path, InputError, "session script")
+    return parse_script(read_json(path, InputError, "session script"), where=str(path))
+
+
+def parse_script(data: Any, *, where: str = "session script") -> SessionScript:
+    """Validate a session script's JSON data; raises InputError naming ``where`` and the bad field or value."""
     try:
         script = SessionScript.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
-        raise InputError(f"{path}: {'.'.join(str(x) for x in err['loc'])}: {err['msg']}") from None
+        raise InputError(f"{where}: {'.'.join(str(x) for x in err['loc'])}: {err['msg']}") from None
     for turn in script.turns:
         _params(effective_sampling(script.sampling, turn.sampling))  # reject bad values before running anything
     return script

@@ -13,17 +13,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
+import numba
 from pydantic import ValidationError
 
 from .constrain import Constraint
 from .engine import Engine
 from .errors import DetinferError, ManifestError
 from .fileio import load_json
-from .golden import GoldenRecord
 from .kvcache import parse_kv_type
 from .manifest import EngineRecord, PromptRecord, RunManifest, SamplingRecord, load_manifest, tokens_sha256
 from .registry import name_for_sha256
-from .run import Difference, engine_for_manifest, excerpts, execute, reexecute
+from .fileio import read_json
+from .generate import GenerationResult, generate
+from .run import Difference, engine_for_manifest, excerpts, execute, first_difference, reexecute
+from .sampler import SamplingParams
+from .session import load_session, replay_turns
+from .tokenstream import RunStream, SessionStream
 
 MATCH, MISMATCH, BAD_INPUT = "match", "mismatch", "bad input"
 
@@ -57,6 +62,20 @@ class VerifyResult:
         d = {k: v for k, v in self.__dict__.items() if k != "divergence"}
         d["divergence"] = self.divergence.__dict__ if self.divergence else None
         return d
+
+    def report(self) -> list[str]:
+        """What differs, as plain lines (empty for a match): the message, each differing field, the first
+        divergent step with the expected and actual token, and the top-5 logits there."""
+        if self.status == MATCH:
+            return []
+        lines = [self.message.removeprefix(f"{self.path}: ")]  # load errors name the file already
+        lines += [f"  {d['field']}: expected {d['expected']} got {d['actual']}" for d in self.differences]
+        if (dv := self.divergence) is not None:
+            lines.append(f"  first divergent step {dv.step}: expected token {dv.expected_token} {dv.expected_text}, "
+                         f"got {dv.actual_token} {dv.actual_text}")
+            if dv.expected_top or dv.actual_top:
+                lines += [f"  top-5 expected {dv.expected_top}", f"  top-5 actual   {dv.actual_top}"]
+        return lines
 
 
 def collect(paths: Iterable[str | Path]) -> list[Path]:
@@ -97,10 +116,10 @@ def _is_golden(path: Path) -> bool:
         data = load_json(path, ManifestError, "manifest")
     except DetinferError:
         return False  # load_manifest reports it
-    return isinstance(data, dict) and "case" in data and "schema_version" not in data
+    return isinstance(data, dict) and "output_token_ids" in data and "schema_version" not in data
 
 
-def _golden_settings(path: Path, record: GoldenRecord) -> tuple[int, str, bool, SamplingRecord, Constraint | None]:
+def _golden_settings(path: Path, record: RunStream) -> tuple[int, str, bool, SamplingRecord, Constraint | None]:
     """(n_ctx, kv_type, chat, sampling, constraint) from a golden record's settings; ManifestError naming a missing or
     bad key."""
     settings = dict(record.settings)
@@ -123,11 +142,12 @@ def _golden_settings(path: Path, record: GoldenRecord) -> tuple[int, str, bool, 
 
 
 def verify_golden(path: Path, engines: dict[tuple, Engine], *, model: str | None = None) -> VerifyResult:
-    """Re-run a golden token stream (golden/<case>.json) from its settings and compare tokens and text."""
+    """Re-run a golden token stream (golden/<case>.json, or a pytest snapshot of a run) from its settings and compare
+    tokens, text and stop reason."""
     t0 = time.perf_counter()
     try:
         try:
-            record = GoldenRecord.model_validate(load_json(path, ManifestError, "golden record"))
+            record = RunStream.model_validate(load_json(path, ManifestError, "golden record"))
         except ValidationError as e:
             raise ManifestError(f"{path} is not a valid golden record: {e.errors()[0]['msg']}") from None
         n_ctx, kv_type, chat, sampling, constraint = _golden_settings(path, record)
@@ -149,7 +169,8 @@ def verify_golden(path: Path, engines: dict[tuple, Engine], *, model: str | None
         return VerifyResult(str(path), BAD_INPUT, message=str(e), seconds=time.perf_counter() - t0)
     diffs = [
         Difference(name, *excerpts(a, b)).__dict__
-        for name, a, b in (("output_token_ids", record.output_token_ids, actual.output.token_ids), ("output_text", record.output_text, actual.output.text))
+        for name, a, b in (("output_token_ids", record.output_token_ids, actual.output.token_ids), ("output_text", record.output_text, actual.output.text),
+                           ("stop_reason", record.stop_reason, actual.output.stop_reason))
         if a != b
     ]
     result = VerifyResult(str(path), MISMATCH if diffs else MATCH, model=engine.model_file.path.name, steps=len(record.output_token_ids),
@@ -160,10 +181,94 @@ def verify_golden(path: Path, engines: dict[tuple, Engine], *, model: str | None
     return result
 
 
+def _is_session(path: Path) -> bool:
+    """A session record (``session run --out``, ``serve --record``) or a session snapshot (its token stream)."""
+    try:
+        data = load_json(path, ManifestError, "session record")
+    except DetinferError:
+        return False
+    return isinstance(data, dict) and "turns" in data
+
+
+def _session_engine(engines: dict[tuple, Engine], sha256: str, n_ctx: int, kv_type: str, source, path: Path) -> Engine:
+    key = (sha256, n_ctx, kv_type)
+    if key not in engines:
+        engine = Engine.load(source, n_ctx=n_ctx, kv_type=kv_type)
+        if engine.model_file.sha256 != sha256:
+            raise ManifestError(f"{path} was recorded with model sha256 {sha256[:16]}..., not {engine.model_file.path.name}; "
+                                "pass that model with --model")
+        engines[key] = engine
+    return engines[key]
+
+
+def verify_session(path: Path, engines: dict[tuple, Engine], *, model: str | None = None) -> VerifyResult:
+    """Re-execute every turn of a session record (all its hashes compared, as ``detinfer replay``) or of a session
+    snapshot (token ids, text and stop reason); the first differing turn is reported."""
+    t0 = time.perf_counter()
+    try:
+        data = read_json(path, ManifestError, "session")
+        if "schema_version" in data:
+            record = load_session(path)
+            source = model or record.model.registry_name or record.informative.get("model_path")
+            engine = _session_engine(engines, record.model.sha256, record.engine.n_ctx, record.engine.kv_type, source, path)
+            expected = [(t.generated_token_ids, t.text, t.stop_reason) for t in record.turns]
+            turns = [(actual.generated_token_ids, actual.text, actual.stop_reason, diffs)
+                     for actual, diffs, _ in replay_turns(engine, record, use_cache=True)]
+        else:
+            stream = SessionStream.model_validate(data)
+            settings = stream.settings
+            engine = _session_engine(engines, stream.model_sha256, settings["n_ctx"], settings["kv_type"],
+                                     model or name_for_sha256(stream.model_sha256), path)
+            expected = [(t.output_token_ids, t.output_text, t.stop_reason) for t in stream.turns]
+            turns = replay_stream(engine, stream)
+    except ValidationError as e:
+        return VerifyResult(str(path), BAD_INPUT, message=f"{path} is not a valid session snapshot: {e.errors()[0]['msg']}",
+                            seconds=time.perf_counter() - t0)
+    except KeyError as e:
+        return VerifyResult(str(path), BAD_INPUT, message=f"{path} is not a valid session snapshot: {e.args[0]!r} is missing",
+                            seconds=time.perf_counter() - t0)
+    except DetinferError as e:
+        return VerifyResult(str(path), BAD_INPUT, message=str(e), seconds=time.perf_counter() - t0)
+    result = VerifyResult(str(path), MATCH, model=engine.model_file.path.name, steps=sum(len(e[0]) for e in expected),
+                          seconds=time.perf_counter() - t0, threads=numba.get_num_threads())
+    for i, ((e_ids, e_text, e_stop), (a_ids, a_text, a_stop, diffs)) in enumerate(zip(expected, turns), start=1):
+        if diffs:
+            result.status, result.message = MISMATCH, f"turn {i} differs: {', '.join(diffs)}"
+            result.differences = [Difference(f"turn {i}.{name}", *excerpts(a, b)).__dict__
+                                  for name, a, b in (("output_token_ids", e_ids, a_ids), ("text", e_text, a_text), ("stop_reason", e_stop, a_stop)) if a != b]
+            step = first_difference(e_ids, a_ids)
+            if step is not None:
+                pick = lambda ids: (ids[step], repr(engine.tokenizer.decode([ids[step]]))) if step < len(ids) else (None, "(none)")  # noqa: E731
+                (e_id, e_tok), (a_id, a_tok) = pick(e_ids), pick(a_ids)
+                result.divergence = Divergence(step, e_id, a_id, e_tok, a_tok)
+            break
+    return result
+
+
+def replay_stream(engine: Engine, stream: SessionStream) -> list[tuple[list[int], str, str, list[str]]]:
+    """Run a session snapshot's turns again from their recorded token ids (each turn's prompt is the history plus
+    its appended ids, on one KV cache): per turn (output ids, text, stop reason, fields that differ)."""
+    history, cache, turns = [], engine.new_cache(), []
+    for turn in stream.turns:
+        prompt = history + turn.prompt_token_ids
+        res = GenerationResult()
+        sampling = {k: v for k, v in turn.sampling.items() if k not in ("max_tokens", "stop")}
+        for _ in generate(engine, prompt, SamplingParams.from_dict(sampling), max_tokens=turn.sampling["max_tokens"],
+                          stop=turn.sampling["stop"], cache=cache, result=res):
+            pass
+        got = (res.tokens, res.text, res.stop_reason)
+        diffs = [f for f, a, b in zip(("output_token_ids", "text", "stop_reason"), (turn.output_token_ids, turn.output_text, turn.stop_reason), got) if a != b]
+        turns.append((*got, diffs))
+        history = prompt + res.tokens
+    return turns
+
+
 def verify_file(path: Path, engines: dict[tuple, Engine], *, model: str | None = None) -> VerifyResult:
-    """Re-execute one manifest (or golden record). Engines are cached by (model sha256, n_ctx, kv_type)."""
+    """Re-execute one manifest, golden record or session. Engines are cached by (model sha256, n_ctx, kv_type)."""
     if _is_golden(path):
         return verify_golden(path, engines, model=model)
+    if _is_session(path):
+        return verify_session(path, engines, model=model)
     t0 = time.perf_counter()
     try:
         manifest = load_manifest(path)

@@ -1,4 +1,5 @@
-"""Golden token streams: absolute references in golden/, compared with syrupy.
+"""Golden token streams: absolute references in golden/, compared by the pytest plugin's syrupy extension (the one
+users' ``detinfer_snapshot`` uses; only the folder and file names differ).
 
 `make golden-update` (pytest --snapshot-update) rewrites them; `git diff golden/` shows what moved. Unlike the
 self-comparisons in test_determinism.py, these catch a change that moves every code path together.
@@ -10,18 +11,15 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from syrupy.extensions.single_file import SingleFileSnapshotExtension, WriteMode
 
-from detinfer.golden import CASES, GEMMA3, golden_json, golden_record, run_case
+from detinfer.golden import CASES, GEMMA3, run_case
+from detinfer.snapshot import TokenStreamExtension
 
 GOLDEN_DIR = Path(__file__).resolve().parent.parent / "golden"
 
 
-class GoldenJSONExtension(SingleFileSnapshotExtension):
-    """One canonical JSON file per case, directly in golden/ (not syrupy's __snapshots__)."""
-
-    _write_mode = WriteMode.TEXT
-    file_extension = "json"
+class GoldenJSONExtension(TokenStreamExtension):
+    """One token stream per case, directly in golden/<case>.json (not syrupy's __snapshots__)."""
 
     @classmethod
     def dirname(cls, *, test_location) -> str:
@@ -45,5 +43,4 @@ def golden(snapshot):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_golden_token_stream(case, engines, model_path, golden, request):
     path = request.getfixturevalue("gemma_path") if case.model == GEMMA3 else model_path
-    manifest = run_case(engines, dataclasses.replace(case, model=str(path)))
-    assert golden_json(golden_record(case, manifest)) == golden(name=case.name)
+    assert run_case(engines, dataclasses.replace(case, model=str(path))) == golden(name=case.name)

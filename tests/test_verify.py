@@ -21,7 +21,8 @@ from typer.testing import CliRunner
 import detinfer.golden
 from detinfer.cli import app
 from detinfer.engine import Engine
-from detinfer.golden import Case, golden_json, golden_record, run_case, write_manifests
+from detinfer.golden import Case, run_case, write_manifests
+from detinfer.tokenstream import run_stream, stream_json
 from detinfer.kvcache import KV_QUANT_REASON
 from detinfer.manifest import SCHEMA_VERSION, RunManifest, load_manifest, tokens_sha256, write_manifest
 from detinfer.run import build_prompt, excerpts, execute, sampling_record
@@ -315,9 +316,9 @@ def test_missing_path_or_empty_folder(home: Path, model_path: Path, recorded: Pa
 def golden_file(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A golden token stream (the reviewable record in golden/) of an 8-token greedy run at n_ctx 256."""
     case = Case("short_greedy", PROMPT, max_tokens=8, n_ctx=256)
-    m = run_case({(256, "f32"): engine}, case)
+    m = run_case({(256, "f32"): engine}, case).manifest
     path = tmp_path_factory.mktemp("golden") / "short_greedy.json"
-    path.write_text(golden_json(golden_record(case, m)))
+    path.write_text(stream_json(run_stream(m)))
     return path
 
 

@@ -1,0 +1,306 @@
+"""The Python API: load a model once, complete prompts, chat, stream steps, run agent sessions, verify records.
+
+Modelled on llama-cpp-python's ``Llama`` (``create_completion`` / ``create_chat_completion``)::
+
+    import detinfer
+    llm = detinfer.load()                       # the registry's default model, n_ctx 4096, f32 KV cache
+    run = llm.chat([{"role": "user", "content": "Hi"}], max_tokens=16)
+    run.text, run.tokens, run.stop_reason       # str, list[int], "eos" | "stop" | "max_tokens" | "length"
+    run.manifest.save("run.json")               # the run manifest; `detinfer verify run.json` re-executes it
+
+Every call is a pure function of the model file, the prompt and the sampling options: the same call gives the
+same tokens, text and logits, bit for bit, at any thread count. Errors are :class:`detinfer.errors.DetinferError`
+subclasses with a one-line message (InputError for a bad option or prompt, GGUFError for a bad model file, ...).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Generator, Iterable, Sequence, TypedDict
+
+from typing_extensions import Unpack
+
+from .chat import ChatTemplate, validate_messages
+from .constrain import Constraint, check_ignore_eos
+from .engine import DEFAULT_CHUNK, Engine, set_threads
+from .errors import InputError
+from .generate import Step, check_prompt
+from .manifest import RunManifest, SamplingRecord
+from .prefix_cache import PrefixCache
+from .run import build_prompt, execute_steps, sampling_record
+from .sampler import SamplingParams
+from .session import SessionRecord, SessionScript, load_script, parse_script, run_session, write_session
+from .verify import VerifyResult, verify as verify_paths
+
+__all__ = ["Constraint", "LLM", "Result", "Sampling", "SessionResult", "Step", "Stream", "VerifyResult", "load", "verify"]
+
+# OpenAI's finish_reason for each stop reason (an end-of-generation token or a stop string is "stop").
+FINISH_REASON = {"eos": "stop", "stop": "stop", "max_tokens": "length", "length": "length"}
+
+
+class Sampling(TypedDict, total=False):
+    """Sampling options of :meth:`LLM.complete`, :meth:`LLM.chat` and :meth:`LLM.stream` (all optional).
+
+    max_tokens (default 128, >= 1); temperature (0 = greedy, ties to the lowest token id); top_k (0 = off);
+    top_p (in (0, 1]); min_p (in [0, 1)); repeat_penalty (> 0, 1 = off) over the last repeat_last_n tokens;
+    seed (0 <= seed < 2**64; recorded); stop (a string or a list: generation stops before it, never emitting it);
+    ignore_eos (do not stop at end-of-generation tokens). An unknown or invalid value raises InputError.
+    """
+
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repeat_penalty: float
+    repeat_last_n: int
+    seed: int
+    stop: str | Sequence[str]
+    ignore_eos: bool
+
+
+def sampling_from(options: dict[str, Any]) -> SamplingRecord:
+    """The manifest's sampling record of :class:`Sampling` options; raises InputError naming a bad option."""
+    unknown = sorted(set(options) - set(Sampling.__annotations__))
+    if unknown:
+        raise InputError(f"unknown sampling option {unknown[0]!r}; use {', '.join(Sampling.__annotations__)}")
+    o = dict(options)
+    stop = o.pop("stop", ())
+    stop = [stop] if isinstance(stop, str) else list(stop)
+    if not all(isinstance(s, str) for s in stop):
+        raise InputError(f"stop must be a string or a list of strings, got {stop!r}")
+    max_tokens, ignore_eos = o.pop("max_tokens", 128), o.pop("ignore_eos", False)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+        raise InputError(f"max_tokens must be an int, got {max_tokens!r}")
+    if not isinstance(ignore_eos, bool):
+        raise InputError(f"ignore_eos must be true or false, got {ignore_eos!r}")
+    if "repeat_penalty" in o:
+        o["repetition_penalty"] = o.pop("repeat_penalty")
+    return sampling_record(SamplingParams.create(**o), max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos)
+
+
+@dataclass(frozen=True, eq=False)
+class Result:
+    """A finished run. ``manifest`` is its :class:`~detinfer.manifest.RunManifest` (``manifest.save(path)``
+    writes it atomically; ``detinfer verify`` re-executes it). Compare results with ``detinfer_snapshot`` or by
+    their manifests' ``contract()``, never with ``==`` (which is identity)."""
+
+    manifest: RunManifest
+    engine: Engine = field(repr=False)
+    created: int = field(default_factory=lambda: int(time.time()), repr=False)  # unix seconds, for to_openai
+
+    @property
+    def text(self) -> str:
+        """The generated text (a stop string is never part of it)."""
+        return self.manifest.output.text
+
+    @property
+    def tokens(self) -> list[int]:
+        """The generated token ids, including a final end-of-generation token."""
+        return self.manifest.output.token_ids
+
+    @property
+    def prompt_tokens(self) -> list[int]:
+        """The prompt's token ids (the chat template's rendering, for a chat)."""
+        return self.manifest.prompt.token_ids
+
+    @property
+    def stop_reason(self) -> str:
+        """"eos" (end-of-generation token), "stop" (a stop string), "max_tokens" or "length" (context full)."""
+        return self.manifest.output.stop_reason
+
+    @property
+    def top_logits(self) -> list[list[tuple[int, float]]]:
+        """Per step, the 5 highest (token id, logit) pairs, highest first (ties to the lowest id)."""
+        return [[(int(i), float(v)) for i, v in step] for step in self.manifest.output.top_logits]
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token id under this run's tokenizer."""
+        return self.engine.tokenizer.decode([token_id])
+
+    def to_openai(self) -> dict[str, Any]:
+        """An OpenAI-shaped response: a ``chat.completion`` for a chat, a ``text_completion`` otherwise, with
+        exact ``usage``. ``id`` is derived from the output token hash, so the same run gives the same id."""
+        m = self.manifest
+        chat = m.prompt.chat
+        choice: dict[str, Any] = {"index": 0, "finish_reason": FINISH_REASON[self.stop_reason], "logprobs": None}
+        choice.update({"message": {"role": "assistant", "content": self.text}} if chat else {"text": self.text})
+        n_prompt, n_out = len(self.prompt_tokens), len(self.tokens)
+        return {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{m.output.tokens_sha256[:24]}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": self.created,
+            "model": m.model.registry_name or Path(m.model.file_name).stem,
+            "choices": [choice],
+            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out},
+        }
+
+
+class Stream:
+    """An iterator over the :class:`~detinfer.generate.Step` s of one generation (token id, text delta, logits
+    digest, top-5 logits, stop reason on the last). The prompt is built and checked when the stream is created
+    (errors raise then); generation runs as you iterate. ``result`` is the :class:`Result` once it is exhausted
+    (None before)."""
+
+    def __init__(self, steps: Generator[Step, None, RunManifest], engine: Engine, threads: int | None, prompt_tokens: list[int]):
+        self._steps, self._engine, self._threads = steps, engine, threads
+        self.prompt_tokens = prompt_tokens  # the prompt's token ids
+        self.result: Result | None = None
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> Step:
+        set_threads(self._threads)  # numba's thread count is per calling thread
+        try:
+            return next(self._steps)
+        except StopIteration as done:
+            if done.value is not None:
+                self.result = Result(done.value, self._engine)
+            raise StopIteration from None
+
+    def finish(self) -> Result:
+        """Run the rest of the generation and return its :class:`Result`."""
+        for _ in self:
+            pass
+        assert self.result is not None
+        return self.result
+
+
+@dataclass(frozen=True, eq=False)
+class SessionResult:
+    """A finished agent session: ``record`` is its :class:`~detinfer.session.SessionRecord` (``detinfer replay``
+    re-executes it); ``turns`` its per-turn records (messages, token ids, text, stop reason)."""
+
+    record: SessionRecord
+    engine: Engine = field(repr=False)
+
+    @property
+    def turns(self) -> list:
+        return list(self.record.turns)
+
+    @property
+    def texts(self) -> list[str]:
+        """Each turn's generated text."""
+        return [t.text for t in self.record.turns]
+
+    def token_text(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id])
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the session record atomically (canonical JSON)."""
+        write_session(self.record, path)
+
+
+class LLM:
+    """A loaded model with its KV-cache settings. Create with :func:`load`. Not safe to call from two threads at
+    once (one KV cache is computed at a time, like the server's one decode worker)."""
+
+    def __init__(self, engine: Engine, *, threads: int | None = None, chat_template: ChatTemplate | None = None):
+        self.engine, self.threads, self.chat_template = engine, threads, chat_template
+
+    @property
+    def model_sha256(self) -> str:
+        return self.engine.model_file.sha256
+
+    @property
+    def n_ctx(self) -> int:
+        return self.engine.n_ctx
+
+    def __repr__(self) -> str:
+        return f"LLM({self.engine.model_file.path.name!r}, n_ctx={self.n_ctx}, kv_type={self.engine.kv_type!r})"
+
+    def complete(self, prompt: str, *, constraint: Constraint | None = None, **sampling: Unpack[Sampling]) -> Result:
+        """Continue ``prompt`` (plain text, tokenized as typed with the model's BOS). Returns a :class:`Result`.
+        ``constraint`` (e.g. ``Constraint.create("regex", "[0-9]+")``) makes the output match a grammar (recorded).
+
+        Raises InputError for an empty or too-long prompt (more than n_ctx tokens) or a bad sampling option,
+        ConstraintError for a bad constraint."""
+        return self.stream(prompt, constraint=constraint, **sampling).finish()
+
+    def chat(self, messages: str | list[dict[str, Any]], *, constraint: Constraint | None = None,
+             **sampling: Unpack[Sampling]) -> Result:  # fmt: skip
+        """Answer a conversation: ``messages`` is a list of ``{"role", "content"}`` dicts (or a string: one user
+        message) rendered by the chat template (the model's, or ``load(chat_template=...)``); ``constraint`` as
+        for :meth:`complete` (e.g. ``json_schema_constraint(schema)`` from detinfer.constrain).
+
+        Raises InputError for malformed messages, TemplateError if the model has no chat template."""
+        return self.stream(messages=messages, constraint=constraint, **sampling).finish()
+
+    def stream(self, prompt: str | None = None, *, messages: str | list[dict[str, Any]] | None = None,
+               chunk_size: int = DEFAULT_CHUNK, constraint: Constraint | None = None,
+               **sampling: Unpack[Sampling]) -> Stream:  # fmt: skip
+        """Generate step by step: a completion of ``prompt``, or a chat answer to ``messages`` (exactly one of
+        them). Returns a :class:`Stream` of Steps whose ``result`` is set at the end. ``chunk_size`` (prefill
+        tokens per chunk) never changes a result. Raises like :meth:`complete` and :meth:`chat`, at the call."""
+        if (prompt is None) == (messages is None):
+            raise InputError("give exactly one of prompt (a completion) or messages (a chat)")
+        if chunk_size < 1:
+            raise InputError(f"chunk_size must be at least 1, got {chunk_size}")
+        record = sampling_from(sampling)
+        check_ignore_eos(constraint, record.ignore_eos)
+        if messages is not None:
+            text, msgs = (messages, None) if isinstance(messages, str) else (None, validate_messages(messages))
+            p = build_prompt(self.engine, text=text, messages=msgs, chat=True, template=self.chat_template)
+        else:
+            if not isinstance(prompt, str):
+                raise InputError(f"prompt must be a string, got {type(prompt).__name__}; use messages= for a chat")
+            p = build_prompt(self.engine, text=prompt)
+        check_prompt(self.engine, p.token_ids)
+        if constraint is not None:
+            constraint.check(self.engine.tokenizer)  # a bad grammar fails here, before any token
+        template = self.chat_template if p.chat else None
+        steps = execute_steps(self.engine, p, record, chunk_size=chunk_size, template=template, constraint=constraint)
+        return Stream(steps, self.engine, self.threads, p.token_ids)
+
+    def session(self, script: str | os.PathLike | dict[str, Any] | SessionScript, *, cache_bytes: int = 1 << 30) -> SessionResult:
+        """Run an agent session script (a file, a dict or a SessionScript: ``{"sampling": {...}, "turns":
+        [{"messages": [...]}, ...]}``, see the README), turn by turn, keeping the conversation as token ids.
+
+        A script whose ``model`` names another model than the loaded one raises InputError."""
+        if isinstance(script, SessionScript):
+            sc = script
+        elif isinstance(script, dict):
+            sc = parse_script(script)
+        else:
+            sc = load_script(script)
+        if sc.model is not None:
+            from .registry import resolve_model
+
+            if resolve_model(sc.model).resolve() != self.engine.model_file.path.resolve():
+                raise InputError(f"the session script names model {sc.model!r} but {self.engine.model_file.path.name} is "
+                                 "loaded; drop the script's model or load that one")
+        set_threads(self.threads)
+        record = run_session(self.engine, sc.turns, sc.sampling, prefix_cache=PrefixCache(cache_bytes), template=self.chat_template)
+        return SessionResult(record, self.engine)
+
+
+def load(model: str | os.PathLike | None = None, *, n_ctx: int = 4096, threads: int | None = None, kv_type: str = "f32",
+         chat_template: str | os.PathLike | None = None) -> LLM:  # fmt: skip
+    """Load a model: a registry name (default ``smollm2-135m-instruct-q4_1``; it must have been downloaded with
+    ``detinfer pull NAME``, else PullError) or a path to a ``.gguf`` file.
+
+    n_ctx: KV cache positions (at most the model's context length); threads: numba threads (default all cores;
+    never changes a result); kv_type: "f32" or "f16" (quantized caches are refused: KVTypeError);
+    chat_template: a built-in format ("gemma", "chatml") or a jinja file, for a model without its own.
+    Raises PullError, GGUFError (missing, truncated or unsupported file), InputError (bad n_ctx or threads), KVTypeError.
+    """
+    set_threads(threads)
+    template = ChatTemplate.from_option(str(chat_template)) if chat_template is not None else None
+    return LLM(Engine.load(model, n_ctx=n_ctx, kv_type=kv_type), threads=threads, chat_template=template)
+
+
+def verify(paths: str | os.PathLike | Iterable[str | os.PathLike], *, model: str | os.PathLike | None = None,
+           threads: int | None = None, on_result: Callable[[VerifyResult], None] | None = None) -> list[VerifyResult]:  # fmt: skip
+    """Re-execute run manifests and golden / snapshot token streams (files, or folders searched for ``*.json``)
+    and compare what the determinism contract covers. Returns one :class:`~detinfer.verify.VerifyResult` per file,
+    in order: ``status`` is "match", "mismatch" or "bad input" (a missing model, an edited manifest...), ``report()``
+    the lines saying what differs. ``model`` overrides the recorded model's file (its sha256 must match).
+    ``on_result`` is called with each result as it is ready. Raises ManifestError for a path that does not exist,
+    InputError for a bad ``threads``."""
+    set_threads(threads)
+    items = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    return verify_paths(items, model=None if model is None else str(model), on_result=on_result)

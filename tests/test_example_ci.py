@@ -1,0 +1,116 @@
+"""examples/ci/ run exactly as a user runs it: `pytest` in a copy of the project (the plugin comes from the
+installed detinfer's entry point), passing as committed, failing with the first-divergence message once a
+snapshot token is perturbed, rewritten by --snapshot-update; then `detinfer verify --junit-xml` and the GitHub
+annotations on its snapshots and manifests."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "ci"
+SNAPSHOTS = Path("tests/__snapshots__/test_prompts")
+CAPITAL = SNAPSHOTS / "test_prompt[capital].json"
+DETINFER = [sys.executable, "-m", "detinfer.cli"]
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Path:
+    dest = tmp_path_factory.mktemp("user") / "ci"
+    shutil.copytree(EXAMPLE, dest)
+    return dest
+
+
+def run(cmd: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600, env={**os.environ, **env})
+
+
+def pytest_in(project: Path, *args: str) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--detinfer-threads", "1", *args], project)
+
+
+def perturb(path: Path, step: int, token: int) -> dict:
+    """Replace one output token id of a run snapshot; returns the original data."""
+    data = json.loads(path.read_text())
+    edited = dict(data, output_token_ids=[token if i == step else t for i, t in enumerate(data["output_token_ids"])])
+    path.write_text(json.dumps(edited, indent=2, sort_keys=True) + "\n")
+    return data
+
+
+def test_the_example_passes_fails_on_a_perturbed_token_and_updates(project: Path):
+    r = pytest_in(project)
+    assert r.returncode == 0 and "4 passed" in r.stdout, r.stdout + r.stderr
+
+    original = (project / CAPITAL).read_bytes()
+    data = perturb(project / CAPITAL, 5, 3575)
+    r = pytest_in(project)
+    assert r.returncode == 1 and "1 failed, 3 passed" in r.stdout, r.stdout + r.stderr
+    paris = data["output_token_ids"][5]
+    assert "first divergent step 5 (of 8 expected, 8 generated):" in r.stdout
+    assert "expected token 3575 ' capital'" in r.stdout and f"actual token   {paris} ' Paris'" in r.stdout
+    top = next(line for line in r.stdout.splitlines() if "top-5 logits there (actual run):" in line)
+    assert top.split(": ", 1)[1].startswith(f"{paris} ' Paris' ") and top.count("'") == 10  # five (id 'text' logit)
+    readme = (EXAMPLE.parent.parent / "README.md").read_text()
+    shown = [line.strip() for line in readme.splitlines() if line.strip().startswith("E   ")]
+    assert len(shown) == 5 and all(line in r.stdout for line in shown)  # the README shows this very message
+
+    r = pytest_in(project, "--snapshot-update")
+    assert r.returncode == 0 and "1 snapshot updated" in r.stdout, r.stdout + r.stderr
+    assert (project / CAPITAL).read_bytes() == original
+
+
+def test_a_perturbed_session_names_its_turn(project: Path, tmp_path: Path):
+    session = project / SNAPSHOTS / "test_agent_session.json"
+    original = session.read_bytes()
+    data = json.loads(original)
+    expected = data["turns"][1]["output_token_ids"][2] + 1
+    data["turns"][1]["output_token_ids"][2] = expected
+    session.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    try:
+        r = pytest_in(project, "-k", "session")
+    finally:
+        session.write_bytes(original)
+    assert r.returncode == 1 and "turn 2, first divergent step 2 (of" in r.stdout, r.stdout + r.stderr
+    assert f"expected token {expected} " in r.stdout and "top-5 logits there (actual run)" in r.stdout
+
+
+def test_opting_out_removes_the_fixtures(project: Path):
+    r = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:detinfer", "-k", "capital"], project)
+    assert r.returncode == 1 and "fixture 'detinfer_llm' not found" in r.stdout, r.stdout + r.stderr
+
+
+def test_verify_writes_junit_and_github_annotations(project: Path, tmp_path: Path):
+    """One test case per manifest, session record and snapshot (run or session), each re-executed."""
+    r = run([*DETINFER, "verify", "manifests/", "sessions/", str(SNAPSHOTS), "--threads", "1", "--junit-xml", str(tmp_path / "ok.xml")], project)
+    assert r.returncode == 0, r.stdout + r.stderr
+    suite = ET.parse(tmp_path / "ok.xml").getroot().find("testsuite")
+    assert (suite.get("tests"), suite.get("failures"), suite.get("errors")) == ("7", "0", "0")
+    names = [c.get("name") for c in suite.iter("testcase")]
+    assert names[:3] == ["manifests/capital.json", "manifests/haiku.json", "sessions/agent.json"] and str(CAPITAL) in names
+
+    bad, bad_session = tmp_path / "capital.json", tmp_path / "session.json"
+    shutil.copy(project / CAPITAL, bad)
+    perturb(bad, 5, 3575)
+    session = json.loads((project / SNAPSHOTS / "test_agent_session.json").read_text())
+    session["turns"][2]["output_text"] += "!"
+    bad_session.write_text(json.dumps(session))
+    files = [str(project / "manifests" / "capital.json"), str(bad), str(bad_session)]
+    r = run([*DETINFER, "verify", *files, "--threads", "1", "--junit-xml", str(tmp_path / "bad.xml")], project, GITHUB_ACTIONS="true")
+    assert r.returncode == 1, r.stdout + r.stderr
+    cases = {c.get("name"): c for c in ET.parse(tmp_path / "bad.xml").getroot().iter("testcase")}
+    assert cases[files[0]].find("failure") is None
+    failure = cases[str(bad)].find("failure")
+    assert failure.get("type") == "mismatch" and "first divergent step 5: expected token 3575 ' capital'" in failure.text
+    assert cases[str(bad_session)].find("failure").get("message") == "turn 3 differs: text"
+    annotations = [line for line in r.stdout.splitlines() if line.startswith("::error ")]
+    assert [a.split("::")[1] for a in annotations] == [f"error file={f},title=detinfer verify%3A mismatch" for f in files[1:]]
+    assert "%0A  first divergent step 5" in annotations[0]
+    r = run([*DETINFER, "verify", *files, "--threads", "1"], project)  # off GitHub: no annotation lines
+    assert r.returncode == 1 and "::error" not in r.stdout
