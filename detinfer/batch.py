@@ -390,9 +390,11 @@ class Progress:
             self.console.print(f"[{self.done}/{self.total}] {escape(str(name))}: {result.status} ({result.steps} tokens, "
                                f"{self.mismatches} mismatches so far, {self.rate():.1f} tok/s)", soft_wrap=True, markup=False)
 
-    def close(self, interrupted: bool = False) -> None:
+    def close(self, interrupted: bool = False, summary: bool = True) -> None:
         if self.bar is not None:
             self.bar.stop()
+        if not summary:
+            return
         seconds = time.perf_counter() - self.t0
         head = "interrupted: " if interrupted else ""
         self.console.print(f"{head}{self.verb} {self.done}/{self.total} {self.where} in {seconds:.1f} s: "

@@ -51,7 +51,7 @@ def _fan_out(verb: str, task, payloads: list, failed, *, ray: Optional[str], thr
     """Run ``task`` over ``payloads`` here or on Ray (batch.fan_out) with progress on stderr; results in input order.
     Ctrl-C stops the run (exit 130) and keeps what was already written."""
     from .batch import Progress, fan_out
-    from .distributed import check_address
+    from .distributed import check_address, import_ray
     from .engine import set_threads
 
     try:
@@ -59,6 +59,7 @@ def _fan_out(verb: str, task, payloads: list, failed, *, ray: Optional[str], thr
             set_threads(threads)
         else:
             check_address(ray)
+            import_ray()
         if actors is not None and ray is None:
             raise InputError("--actors sets the Ray actors; add --ray")
     except DetinferError as e:
@@ -77,7 +78,7 @@ def _fan_out(verb: str, task, payloads: list, failed, *, ray: Optional[str], thr
         progress.close(interrupted=True)
         raise typer.Exit(130)
     except DetinferError as e:
-        progress.close(interrupted=True)
+        progress.close(summary=False)
         _fail(e)
     progress.close()
     return results
