@@ -353,7 +353,7 @@ def run_local(task: Callable[[WorkerState, Any], R], payloads: Sequence[Any], on
     return results
 
 
-class Progress:
+class ItemProgress:
     """Items as they finish, on stderr: a rich bar on a terminal (done/total, mismatches so far, tokens/s), one
     plain line per item elsewhere (CI logs), and a summary line at the end. A result needs ``status``, ``steps``
     and a name (``path`` or ``id``)."""
@@ -421,7 +421,7 @@ def fan_out(task: Callable[..., R], payloads: Sequence[Any], on_result: Callable
             *, ray: str | None = None, threads: int = 1, actors: int | None = None) -> list[R]:  # fmt: skip
     """``task`` over ``payloads`` in this process (``ray`` None) or on the Ray cluster at ``ray``, where each worker
     may pull a missing registry model (``pull=True``). Results in payload order; see ``distributed.run_on_ray``."""
-    if ray is None:
+    if ray is None or not payloads:
         return run_local(task, payloads, on_result)
     from functools import partial
 

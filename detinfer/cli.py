@@ -50,7 +50,7 @@ def _fail(e: DetinferError) -> None:
 def _fan_out(verb: str, task, payloads: list, failed, *, ray: Optional[str], threads: Optional[int], actors: Optional[int], on_result=None) -> list:
     """Run ``task`` over ``payloads`` here or on Ray (batch.fan_out) with progress on stderr; results in input order.
     Ctrl-C stops the run (exit 130) and keeps what was already written."""
-    from .batch import Progress, fan_out
+    from .batch import ItemProgress, fan_out
     from .distributed import check_address, import_ray
     from .engine import set_threads
 
@@ -65,7 +65,7 @@ def _fan_out(verb: str, task, payloads: list, failed, *, ray: Optional[str], thr
     except DetinferError as e:
         _fail(e)
     where = "in this process" if ray is None else f"on Ray ({ray}), {threads or 1} thread(s) per actor"
-    progress = Progress(err, verb, len(payloads), where)
+    progress = ItemProgress(err, verb, len(payloads), where)
 
     def done(i: int, result) -> None:
         if on_result is not None:
@@ -190,7 +190,7 @@ def _run_batch(cli_ctx: typer.Context, batch: Path, out_dir: Optional[Path], res
     from .registry import REGISTRY
 
     try:
-        given = _given(cli_ctx, (_RECORDED_OPTIONS - {"ctx", "kv_type"}) | {"manifest", "out_path", "chunk_size"})
+        given = _given(cli_ctx, (_RECORDED_OPTIONS - {"ctx", "kv_type"}) | {"manifest", "out_path", "chunk_size", "quiet"})
         if given:
             raise InputError(f"--batch takes prompts and sampling from each line; drop {', '.join(given)}")
         if out_dir is None:

@@ -235,3 +235,31 @@ def test_ray_address_forms():
 def test_verify_task_on_a_worker_reports_a_missing_file_as_bad_input():
     r = verify_task(WorkerState(), "no/such/manifest.json", pull=True)
     assert r.status == BAD_INPUT and "no/such/manifest.json" in r.message
+
+
+def test_a_cluster_too_small_for_the_actors_is_refused(cluster):
+    with pytest.raises(InputError, match=r"3 actors × 1 threads need more CPUs than the Ray cluster has \(2\)"):
+        run_on_ray(batch_task, [None], lambda i, r: None, batch_failed, address=cluster, actors=3)
+
+
+def test_progress_on_a_terminal_is_a_bar_and_in_a_log_plain_lines():
+    import io
+
+    from rich.console import Console
+
+    from detinfer.batch import ItemProgress
+    from detinfer.verify import VerifyResult
+
+    results = [VerifyResult("a.json", MATCH, steps=10), VerifyResult("b.json", "mismatch", steps=5)]
+    for terminal in (True, False):
+        buf = io.StringIO()
+        progress = ItemProgress(Console(file=buf, force_terminal=terminal, width=120, highlight=False), "verified", 2, "on Ray (auto)")
+        for i, r in enumerate(results):
+            progress(i, r)
+        if terminal:
+            assert progress.bar is not None and progress.bar.tasks[0].completed == 2
+            assert progress.bar.tasks[0].fields["mismatches"] == 1
+        progress.close()
+        text = buf.getvalue()
+        assert "verified 2/2 on Ray (auto)" in text and "1 mismatch, 0 bad input; 15 tokens" in text
+        assert ("[2/2] b.json: mismatch (5 tokens, 1 mismatches so far" in text) != terminal
