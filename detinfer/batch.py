@@ -196,12 +196,13 @@ def batch_task(state: WorkerState, item: BatchItem, *, pull: bool = False) -> Ba
     """Run one batch item; bad input (a bad line, prompt, model or sampling value) is a BAD_INPUT result."""
     from .engine import Engine
     from .manifest import canonical_json
+    from .registry import DEFAULT_MODEL
 
     t0 = time.perf_counter()
     if item.spec is None:
         return BatchResult(item.line, item.id, BAD_INPUT, message=item.error or "")
     try:
-        model = item.spec.model or item.model
+        model = item.spec.model or item.model or DEFAULT_MODEL
         key = (model, item.n_ctx, item.kv_type)
         if key not in state.engines:
             _ensure(model, pull)

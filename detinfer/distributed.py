@@ -25,6 +25,7 @@ from .errors import InputError
 
 LOCAL = "local"  # --ray without an address: start a cluster on this machine, sized to its cores
 INSTALL = "pip install 'detinfer[ray]'"
+LOCAL_OBJECT_STORE = 256 << 20  # bytes of shared memory for a LOCAL cluster's object store
 MAX_ATTEMPTS = 3  # runs of one item whose worker died before it is reported as failed
 _ADDRESS = re.compile(r"^(auto|local|ray://[^\s/]+:\d+|[A-Za-z0-9.\-]+:\d+)$")
 R = TypeVar("R")
@@ -49,8 +50,8 @@ def check_address(address: str) -> str:
 
 @contextmanager
 def connect(address: str) -> Iterator[Any]:
-    """Join the cluster at ``address`` or, for LOCAL, start one on this machine (one CPU per core, reachable on
-    loopback only). A process already connected (ray.init was called) keeps its cluster. Shuts down only what it
+    """Join the cluster at ``address`` or, for LOCAL, start one on this machine (one CPU per core this process may
+    use, reachable on loopback only). A process already connected (ray.init was called) keeps its cluster. Shuts down only what it
     started. Raises InputError when Ray is missing or the cluster cannot be joined."""
     if address == LOCAL:  # read when ray is imported: a private cluster binds its node address to 127.0.0.1
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -59,8 +60,8 @@ def connect(address: str) -> Iterator[Any]:
     if started:
         options = dict(log_to_driver=False, logging_level=logging.ERROR, include_dashboard=False)
         try:
-            if address == LOCAL:
-                ray.init(num_cpus=os.cpu_count(), **options)
+            if address == LOCAL:  # results are small (a manifest at most): a small object store is plenty
+                ray.init(num_cpus=len(os.sched_getaffinity(0)), object_store_memory=LOCAL_OBJECT_STORE, **options)
             else:
                 ray.init(address=address, **options)
         except (ConnectionError, RuntimeError, ValueError) as e:

@@ -206,8 +206,10 @@ def test_a_bad_batch_line_is_bad_input_for_that_line_only(tmp_path):
     batch.write_text(json.dumps(LINES[0]) + "\nnot json\n" + json.dumps({"id": "../x", "prompt": "a"}) + "\n"
                      + json.dumps({"id": "hot", "prompt": "a", "sampling": {"temperature": -1}}) + "\n")
     items = read_batch(batch)
-    results = [batch_task(WorkerState(), item) for item in items]
+    state = WorkerState()
+    results = [batch_task(state, item) for item in items]
     assert [(r.id, r.status) for r in results] == [("plain", WRITTEN), ("line-2", BAD_INPUT), ("../x", BAD_INPUT), ("hot", BAD_INPUT)]
+    assert len(state.engines) == 1  # a worker loads a model once and keeps it
     assert "not JSON" in results[1].message and "id" in results[2].message and "temperature" in results[3].message
     batch.write_text(json.dumps(LINES[0]) + "\n" + json.dumps(LINES[0]) + "\n")
     with pytest.raises(InputError, match="used on lines 1 and 2"):
