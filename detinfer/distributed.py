@@ -53,8 +53,9 @@ def connect(address: str) -> Iterator[Any]:
     """Join the cluster at ``address`` or, for LOCAL, start one on this machine (one CPU per core this process may
     use, reachable on loopback only). A process already connected (ray.init was called) keeps its cluster. Shuts down only what it
     started. Raises InputError when Ray is missing or the cluster cannot be joined."""
-    if address == LOCAL:  # read when ray is imported: a private cluster binds its node address to 127.0.0.1
+    if address == LOCAL:  # a private cluster: node address 127.0.0.1 (read when ray is imported), nothing reported out
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray = import_ray()
     started = not ray.is_initialized()
     if started:

@@ -43,6 +43,7 @@ def cluster(model_path):
     """A local Ray cluster of 2 CPUs owned by this module; yields its address. Stopped (only what it started) at
     the end."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # node address 127.0.0.1: loopback only
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage report leaves the machine
     import ray
 
     ctx = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=100 * 2**20)
