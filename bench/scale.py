@@ -41,7 +41,7 @@ def loadavg() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
-def end_to_end(n: int, max_tokens: int) -> list[dict]:
+def end_to_end(verify: list[str], n: int, max_tokens: int) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         batch = Path(tmp) / "prompts.jsonl"
@@ -49,10 +49,10 @@ def end_to_end(n: int, max_tokens: int) -> list[dict]:
         outputs = []
         for name, options in CONFIGS:
             load = loadavg()
-            wall, proc = cli("verify", "manifests", "--json", *options)
+            wall, proc = cli("verify", *verify, "--json", *options)
             lines = [json.loads(x) for x in proc.stdout.splitlines()]
             steps = sum(x.get("steps", 0) for x in lines[:-1])
-            rows.append({"work": "verify manifests/", "config": name, "exit": proc.returncode, "wall_s": round(wall, 1),
+            rows.append({"work": f"verify {' '.join(verify)}", "config": name, "exit": proc.returncode, "wall_s": round(wall, 1),
                          "tokens": steps, "tok_s": round(steps / wall, 1), "load_before": load})
             out = Path(tmp) / name.replace(" ", "_")
             load = loadavg()
@@ -95,11 +95,12 @@ def ray_overhead(n: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--verify", nargs="+", default=["manifests"], help="what to verify (default: manifests)")
     ap.add_argument("--prompts", type=int, default=50)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "scale.json")
     args = ap.parse_args()
-    report = {"cpu_count": os.cpu_count(), "load_at_start": loadavg(), "rows": end_to_end(args.prompts, args.max_tokens),
+    report = {"cpu_count": os.cpu_count(), "load_at_start": loadavg(), "rows": end_to_end(args.verify, args.prompts, args.max_tokens),
               "ray_overhead": ray_overhead(args.prompts), "load_at_end": loadavg()}
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print("| work | configuration | wall (s) | tokens | tok/s | exit | load avg before |")
