@@ -38,6 +38,22 @@ LINES = [  # short runs: plain, chat, seeded sampling, messages with a stop stri
 ]
 
 
+TEST_BUDGET_S = 300  # each test here ends by then, hung cluster or not
+
+
+@pytest.fixture(autouse=True)
+def bounded():
+    """Fail a test that runs longer than TEST_BUDGET_S instead of letting a stuck Ray call hang CI."""
+    def expire(*_):
+        raise TimeoutError(f"test ran over {TEST_BUDGET_S} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(TEST_BUDGET_S)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
 @pytest.fixture(scope="module")
 def cluster(model_path):
     """A local Ray cluster of 2 CPUs owned by this module; yields its address. Stopped (only what it started) at
