@@ -110,7 +110,6 @@ class BatchResult:
     id: str
     status: str
     message: str = ""
-    prompt_tokens: int = 0
     tokens: int = 0
     seconds: float = 0.0
     manifest: str | None = None
@@ -118,9 +117,6 @@ class BatchResult:
     @property
     def steps(self) -> int:
         return self.tokens
-
-    def to_json(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "manifest"}
 
 
 def read_batch(path: Path, *, model: str | None = None, n_ctx: int = 4096, kv_type: str = "f32") -> list[BatchItem]:
@@ -210,8 +206,7 @@ def batch_task(state: WorkerState, item: BatchItem, *, pull: bool = False) -> Ba
         manifest = batch_manifest(state.engines[key], item)
     except DetinferError as e:
         return BatchResult(item.line, item.id, BAD_INPUT, message=f"{item.id}: {e}", seconds=time.perf_counter() - t0)
-    return BatchResult(item.line, item.id, WRITTEN, prompt_tokens=len(manifest.prompt.token_ids),
-                       tokens=len(manifest.output.token_ids), seconds=time.perf_counter() - t0,
+    return BatchResult(item.line, item.id, WRITTEN, tokens=len(manifest.output.token_ids), seconds=time.perf_counter() - t0,
                        manifest=canonical_json(manifest.sealed().model_dump(mode="json")))
 
 
