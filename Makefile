@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= Give me three tips for staying healthy.
 
-.PHONY: run test test-boundscheck verify bench fuzz manifests golden-update install pull clean
+.PHONY: run test test-boundscheck verify bench scale fuzz manifests golden-update install pull clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,12 @@ bench: pull $(VENV)/.bench-installed
 	$(BIN)/detinfer pull gemma3-270m-q4_k_m
 	$(BIN)/detinfer bench --out bench/results.json --markdown docs/benchmarks.md
 	$(BIN)/detinfer bench kv --plot docs/kv.png --results bench/results.json --markdown docs/benchmarks.md
+
+# docs/scale.md's table: verify manifests/ and a 50-prompt batch without Ray, on 1 Ray actor x 2 threads and on 2 x 1,
+# plus Ray's overhead per item (bench/scale.json); about 10 min on an otherwise idle 2-core machine.
+scale: pull
+	$(BIN)/detinfer pull gemma3-270m-q4_k_m
+	$(BIN)/python bench/scale.py
 
 fuzz: pull
 	$(BIN)/python -m detinfer.fuzz --examples 10000 --report docs/reliability.md

@@ -49,9 +49,52 @@ def _check_outputs(files: dict[str, Optional[Path]], dirs: Optional[dict[str, Op
             check_output_dir(path, option)
 
 
+RayOpt = Annotated[Optional[str], typer.Option(
+    "--ray", metavar="[ADDRESS]",
+    help="Fan the work out over Ray: alone (or local), a local cluster sized to this machine; auto, ray://HOST:PORT or HOST:PORT joins one.")]
+ActorsOpt = Annotated[Optional[int], typer.Option("--actors", help="With --ray: how many actors (default: the cluster's CPUs / --threads).")]
+
+
 def _fail(e: DetinferError) -> None:
     err.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)  # user text is never markup
     raise typer.Exit(e.exit_code)
+
+
+def _fan_out(verb: str, task, payloads: list, failed, *, ray: Optional[str], threads: Optional[int], actors: Optional[int], on_result=None) -> list:
+    """Run ``task`` over ``payloads`` here or on Ray (batch.fan_out) with progress on stderr; results in input order.
+    Ctrl-C stops the run (exit 130) and keeps what was already written."""
+    from .batch import ItemProgress, fan_out
+    from .distributed import check_address, import_ray
+    from .engine import set_threads
+
+    try:
+        if ray is None:
+            set_threads(threads)
+        else:
+            check_address(ray)
+            import_ray()
+        if actors is not None and ray is None:
+            raise InputError("--actors sets the Ray actors; add --ray")
+    except DetinferError as e:
+        _fail(e)
+    where = "in this process" if ray is None else f"on Ray ({ray}), {threads or 1} thread(s) per actor"
+    progress = ItemProgress(err, verb, len(payloads), where)
+
+    def done(i: int, result) -> None:
+        if on_result is not None:
+            on_result(i, result)
+        progress(i, result)
+
+    try:
+        results = fan_out(task, payloads, done, failed, ray=ray, threads=threads or 1, actors=actors)
+    except KeyboardInterrupt:
+        progress.close(interrupted=True)
+        raise typer.Exit(130)
+    except DetinferError as e:
+        progress.close(summary=False)
+        _fail(e)
+    progress.close()
+    return results
 
 
 COMPILE_STATUS_DELAY_S = 2.0  # off a terminal, the compile status line appears only if warming up takes longer
@@ -163,6 +206,45 @@ def _constraint_option(json_schema: Path | None, json_object: bool, regex: str |
     return Constraint.create("json_object") if json_object else None
 
 
+def _given(cli_ctx: typer.Context, names: set[str]) -> list[str]:
+    """The options among ``names`` that were typed on the command line (as their first spelling)."""
+    return [p.opts[0] for p in cli_ctx.command.params
+            if p.name in names and getattr(cli_ctx.get_parameter_source(p.name), "name", "") == "COMMANDLINE"]
+
+
+def _run_batch(cli_ctx: typer.Context, batch: Path, out_dir: Optional[Path], resume: bool, *, model: Optional[str], ctx: int,
+               kv_type: str, threads: Optional[int], ray: Optional[str], actors: Optional[int]) -> None:
+    """`run --batch`: every line of the JSONL file becomes --out-dir/<id>.json, written as it finishes; exit 2 if a
+    line is bad input (the others still run)."""
+    from .batch import BAD_INPUT, BatchWriter, batch_failed, batch_task, read_batch
+    from .kvcache import parse_kv_type
+    from .registry import REGISTRY
+
+    try:
+        given = _given(cli_ctx, (_RECORDED_OPTIONS - {"ctx", "kv_type"}) | {"manifest", "out_path", "chunk_size", "quiet"})
+        if given:
+            raise InputError(f"--batch takes prompts and sampling from each line; drop {', '.join(given)}")
+        if out_dir is None:
+            raise InputError("--batch needs --out-dir DIR, the folder its run manifests go to")
+        parse_kv_type(kv_type)
+        if model is not None and model not in REGISTRY:
+            model = str(Path(model).expanduser().absolute())  # workers see the driver's path, not its working folder
+        writer = BatchWriter(out_dir)
+        todo, skipped = writer.pending(read_batch(batch, model=model, n_ctx=ctx, kv_type=kv_type), resume)
+    except DetinferError as e:
+        _fail(e)
+    ran = _fan_out("ran", batch_task, todo, batch_failed, ray=ray, threads=threads, actors=actors,
+                   on_result=lambda i, r: writer.write(r))
+    results = sorted(ran + skipped, key=lambda r: r.line)
+    for r in results:
+        if r.status == BAD_INPUT:
+            out.print(f"line {r.line}: {escape(r.message)}", soft_wrap=True)
+    bad = sum(r.status == BAD_INPUT for r in results)
+    out.print(f"batch {escape(str(batch))}: {len(ran) - bad} written, {len(skipped)} skipped (--resume), {bad} bad input; "
+              f"manifests in {escape(str(out_dir))}", soft_wrap=True)
+    raise typer.Exit(2 if bad else 0)
+
+
 def _read_prompt_file(path: Path) -> str:
     from .fileio import read_input_text
 
@@ -199,8 +281,14 @@ def run(
     json_object: Annotated[bool, typer.Option("--json", help="Constrain the output to a JSON object.")] = False,
     regex: Annotated[Optional[str], typer.Option("--regex", help="Constrain the output to match this regex.")] = None,
     grammar: Annotated[Optional[Path], typer.Option("--grammar", help="Constrain the output to this Lark grammar (file).")] = None,
+    batch: Annotated[Optional[Path], typer.Option("--batch", help="JSONL, one run per line (id, prompt or messages, "
+                                                  "optional model, chat_template, sampling): writes --out-dir/<id>.json.")] = None,
+    out_dir: Annotated[Optional[Path], typer.Option("--out-dir", help="With --batch: the folder of run manifests.")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="With --batch: skip ids whose manifest is already in --out-dir.")] = False,
+    ray: RayOpt = None,
+    actors: ActorsOpt = None,
 ) -> None:
-    """Generate text and record a run manifest; or re-execute one with --manifest."""
+    """Generate text and record a run manifest; re-execute one with --manifest; or run a JSONL batch with --batch."""
     from .api import load, sampling_from
     from .constrain import check_ignore_eos
     from .chat import load_messages
@@ -214,15 +302,19 @@ def run(
             sys.stdout.write(step.text)
             sys.stdout.flush()
 
+    if batch is not None:
+        _run_batch(cli_ctx, batch, out_dir, resume, model=model, ctx=ctx, kv_type=kv_type, threads=threads, ray=ray, actors=actors)
+        return
     try:
+        if out_dir is not None or resume or ray is not None or actors is not None:
+            raise InputError("--out-dir, --resume, --ray and --actors go with --batch FILE")
         _check_outputs({"--out": out_path})
         parse_kv_type(kv_type)
         set_threads(threads)
         if chunk_size < 1:
             raise InputError(f"--chunk-size must be at least 1, got {chunk_size}")
         if manifest is not None:
-            given = [p.opts[0] for p in cli_ctx.command.params
-                     if p.name in _RECORDED_OPTIONS and getattr(cli_ctx.get_parameter_source(p.name), "name", "") == "COMMANDLINE"]
+            given = _given(cli_ctx, _RECORDED_OPTIONS)
             if given:
                 raise InputError(f"--manifest re-executes the recorded inputs and settings; drop {', '.join(given)}")
             recorded = load_manifest(manifest)
@@ -284,22 +376,27 @@ def verify(
     threads: ThreadsOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per manifest plus a summary.")] = False,
     junit_xml: Annotated[Optional[Path], typer.Option("--junit-xml", help="Also write a JUnit XML report (one test case per file).")] = None,
+    ray: RayOpt = None,
+    actors: ActorsOpt = None,
 ) -> None:
     """Re-execute recorded manifests and golden streams; exit 0 all match, 1 any mismatch, 2 bad input.
 
     With GITHUB_ACTIONS=true (set on GitHub's runners) each mismatch or bad file is also an ::error annotation
     line (on stderr with --json, so stdout stays JSON lines)."""
     import os
+    from functools import partial
 
     from rich.progress import Progress
 
     from .api import verify as verify_paths
+    from .batch import verify_failed, verify_task
     from .ci_report import github_annotations, write_junit
     from .engine import set_threads
     from .verify import BAD_INPUT, MATCH, collect, exit_code, to_json_lines
 
     try:
-        set_threads(threads)
+        if ray is None:
+            set_threads(threads)
         if not paths:
             paths = [p for p in (Path("manifests"), Path("golden")) if p.is_dir()]
             if not paths:
@@ -309,9 +406,13 @@ def verify(
             raise InputError(f"no manifests found in {', '.join(map(str, paths))}")
     except DetinferError as e:
         _fail(e)
-    with Progress(console=err, transient=True, disable=as_json) as progress:
-        task = progress.add_task("verifying", total=len(files))
-        results = verify_paths(files, model=model, threads=threads, on_result=lambda r: progress.advance(task))
+    if ray is not None or actors is not None:
+        results = _fan_out("verified", partial(verify_task, model=model), [str(f) for f in files], verify_failed,
+                           ray=ray, threads=threads, actors=actors)
+    else:
+        with Progress(console=err, transient=True, disable=as_json) as progress:
+            task = progress.add_task("verifying", total=len(files))
+            results = verify_paths(files, model=model, threads=threads, on_result=lambda r: progress.advance(task))
     if junit_xml is not None:
         try:
             write_junit(results, junit_xml)
@@ -427,7 +528,7 @@ def session_run(
 
 @app.command()
 def replay(
-    session: Annotated[Path, typer.Argument(help="A recorded session file, or a folder of them (e.g. serve --record DIR).")],
+    paths: Annotated[list[Path], typer.Argument(help="Recorded session files, or folders of them (e.g. serve --record DIR).")],
     model: ModelOpt = None,
     threads: ThreadsOpt = None,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Recompute every prefix from scratch.")] = False,
@@ -437,70 +538,66 @@ def replay(
     out_path: Annotated[Optional[Path], typer.Option("--out", "-o", help="Where --then writes the new session.")] = None,
     cache_bytes: CacheBytesOpt = DEFAULT_CACHE_BYTES,
     as_json: Annotated[bool, typer.Option("--json")] = False,
+    ray: RayOpt = None,
+    actors: ActorsOpt = None,
 ) -> None:
     """Re-execute every turn of recorded sessions; exit 0 all match, 1 any mismatch, 2 bad input."""
     import json as _json
+    from functools import partial
 
+    from .batch import BAD_INPUT, replay_failed, replay_task, run_local, session_files
     from .engine import Engine, set_threads
     from .prefix_cache import PrefixCache
-    from .session import load_script, load_session, replay_turns, run_session
+    from .session import load_script, load_session, run_session
 
     warn = lambda msg: err.print(f"[yellow]warning:[/] {escape(msg)}")  # noqa: E731
-    rows = []
     try:
         _check_outputs({"--out": out_path})
-        set_threads(threads)
-        files = sorted(session.glob("*.json")) if session.is_dir() else [session]
-        if not files:
-            raise InputError(f"no session files (*.json) in {session}")
-        if (then is not None or until is not None or kv_dir is not None) and len(files) > 1:
+        if ray is None:
+            set_threads(threads)
+        files = session_files(paths)
+        one_file = then is not None or until is not None or kv_dir is not None
+        if one_file and len(files) > 1:
             raise InputError("--until, --then and --kv-dir apply to one session file, not a folder")
+        if one_file and (ray is not None or actors is not None):
+            raise InputError("--until, --then and --kv-dir replay one session file here; drop --ray")
         if then is not None and (until is None or out_path is None):
             raise InputError("--then needs --until N (the turn to branch after) and --out FILE (where the new session goes)")
         if out_path is not None and then is None:
             raise InputError("--out is where --then writes the branched session; replay itself writes nothing")
-        records = [(f, load_session(f)) for f in files]
-        engines: dict[tuple, Engine] = {}
-        prefix_cache = PrefixCache(cache_bytes)
-        for f, record in records:
-            if until is not None and not 1 <= until <= len(record.turns):
+        if until is not None:
+            record = load_session(files[0])
+            if not 1 <= until <= len(record.turns):
                 raise InputError(f"--until {until} is out of range; the session has {len(record.turns)} turns")
-            key = (record.model.sha256, record.engine.n_ctx, record.engine.kv_type)
-            if key not in engines:
-                engines.clear()  # one model in memory at a time
-                engines[key] = Engine.load(model or record.model.registry_name or record.informative.get("model_path"),
-                                           n_ctx=record.engine.n_ctx, kv_type=record.engine.kv_type)
-                prefix_cache = PrefixCache(cache_bytes)
-            engine = engines[key]
-            if then is not None:
-                sc = load_script(then)
-                prior = record.model_copy(update={"turns": record.turns[:until]})
-                run_session(engine, sc.turns, sc.sampling, prior=prior, out=out_path, prefix_cache=prefix_cache,
-                            on_step=_stream(False), on_turn=lambda i, rec: (sys.stdout.write("\n"), _turn_line(i, rec)))
-                err.print(f"replayed {until} turn(s) exactly, then ran {len(sc.turns)} new turn(s)"
-                          + (f"; session: {escape(str(out_path))}" if out_path else ""))
-                return
-            results = replay_turns(engine, record, use_cache=not no_cache, kv_dir=kv_dir, until=until,
-                                   prefix_cache=prefix_cache, warn=warn)
-            for i, ((actual, diffs, step), expected) in enumerate(zip(results, record.turns), start=1):
-                row = {"session": str(f), "turn": i, "result": "match" if not diffs else "mismatch", "differs": diffs,
-                       "first_divergent_step": step, "reused_tokens": actual.reused_tokens, "steps": len(actual.generated_token_ids)}
-                if diffs and step is not None:
-                    pick = lambda ids: (ids[step], engine.tokenizer.decode([ids[step]])) if step < len(ids) else (None, "")  # noqa: E731
-                    row["expected"], row["actual"] = pick(expected.generated_token_ids), pick(actual.generated_token_ids)
-                rows.append(row)
+        if then is not None:
+            engine = Engine.load(model or record.model.registry_name or record.informative.get("model_path"),
+                                 n_ctx=record.engine.n_ctx, kv_type=record.engine.kv_type)
+            sc = load_script(then)
+            prior = record.model_copy(update={"turns": record.turns[:until]})
+            run_session(engine, sc.turns, sc.sampling, prior=prior, out=out_path, prefix_cache=PrefixCache(cache_bytes),
+                        on_step=_stream(False), on_turn=lambda i, rec: (sys.stdout.write("\n"), _turn_line(i, rec)))
+            err.print(f"replayed {until} turn(s) exactly, then ran {len(sc.turns)} new turn(s)"
+                      + (f"; session: {escape(str(out_path))}" if out_path else ""))
+            return
     except DetinferError as e:
         _fail(e)
+    task = partial(replay_task, model=model, use_cache=not no_cache, kv_dir=kv_dir, until=until, cache_bytes=cache_bytes)
+    if ray is not None or actors is not None:
+        results = _fan_out("replayed", task, [str(f) for f in files], replay_failed, ray=ray, threads=threads, actors=actors)
+    else:
+        results = run_local(partial(task, warn=warn), [str(f) for f in files], lambda i, r: None)
+    rows = [row for r in results for row in r.rows]
     if as_json:
         out.print(_json.dumps(rows), soft_wrap=True, markup=False)
     else:
         table = Table("session", "turn", "result", "steps", "reused", "first divergent step", "differs")
         for r in rows:
-            table.add_row(escape(Path(r["session"]).name), str(r["turn"]), f"[{'green' if r['result'] == 'match' else 'red'}]{r['result']}[/]",
+            style = "green" if r["result"] == "match" else "yellow" if r["result"] == BAD_INPUT else "red"
+            table.add_row(escape(Path(r["session"]).name), "" if r["turn"] is None else str(r["turn"]), f"[{style}]{r['result']}[/]",
                           str(r["steps"]), str(r["reused_tokens"]), "" if r["first_divergent_step"] is None else str(r["first_divergent_step"]),
-                          escape(", ".join(r["differs"])) + (escape(f" expected {r['expected']} got {r['actual']}") if "expected" in r else ""))
+                          escape(", ".join(r["differs"]) or r.get("message", "")) + (escape(f" expected {r['expected']} got {r['actual']}") if "expected" in r else ""))
         out.print(table)
-    raise typer.Exit(1 if any(r["differs"] for r in rows) else 0)
+    raise typer.Exit(2 if any(r["result"] == BAD_INPUT for r in rows) else 1 if any(r["differs"] for r in rows) else 0)
 
 
 @app.command()
@@ -719,8 +816,14 @@ def _summary(m, out_path: Optional[Path]) -> None:
     )
 
 
+def _bare_ray(args: list[str]) -> list[str]:
+    """``--ray`` last or before another option means ``--ray local``: a click option cannot have an optional value."""
+    return [x for i, a in enumerate(args)
+            for x in ([a, "local"] if a == "--ray" and (i + 1 == len(args) or args[i + 1].startswith("-")) else [a])]
+
+
 def main() -> None:
-    app()
+    app(args=_bare_ray(sys.argv[1:]))
 
 
 if __name__ == "__main__":
