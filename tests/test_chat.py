@@ -271,7 +271,7 @@ def test_builtin_template_is_recorded_and_reexecuted(home: Path, plain_model: Pa
     r = run_chat(home, plain_model, out, "--chat-template", "chatml")
     assert r.exit_code == 0, r.output
     m = load_manifest(out)
-    assert m.schema_version == SCHEMA_VERSION == 2
+    assert m.schema_version == SCHEMA_VERSION == 3
     builtin = ChatTemplate.builtin("chatml")
     assert m.chat_template is not None
     assert (m.chat_template.origin, m.chat_template.name, m.chat_template.source) == ("builtin", "chatml", builtin.source)
