@@ -254,6 +254,7 @@ def verify(
     from rich.progress import Progress
 
     from .engine import set_threads
+    from .machine import describe, short
     from .verify import BAD_INPUT, MATCH, collect, exit_code, to_json_lines, verify_file
 
     try:
@@ -276,11 +277,14 @@ def verify(
     if as_json:
         out.print(to_json_lines(results), soft_wrap=True, markup=False, emoji=False)  # data: ":pizza:" stays text
         raise typer.Exit(exit_code(results))
-    table = Table("manifest", "model", "steps", "result", "time", "threads")
+    table = Table("manifest", "model", "steps", "result", "time", "threads", "recorded on", "re-executed on")
     for r in results:
         style = "green" if r.status == MATCH else "red" if r.status != BAD_INPUT else "yellow"
-        table.add_row(escape(r.path), escape(r.model), str(r.steps), f"[{style}]{r.status}[/]", f"{r.seconds:.1f}s", str(r.threads or ""))
+        table.add_row(escape(r.path), escape(r.model), str(r.steps), f"[{style}]{r.status}[/]", f"{r.seconds:.1f}s", str(r.threads or ""),
+                      escape(short(r.recorded_on)), escape(short(r.reexecuted_on)))
     out.print(table)
+    for described in sorted({describe(m) for r in results for m in (r.recorded_on, r.reexecuted_on) if m}):
+        out.print(f"  {escape(described)}", soft_wrap=True)
     for r in results:
         if r.status == MATCH:
             continue

@@ -21,6 +21,7 @@ from .chat import ChatTemplate
 from .engine import Engine
 from .errors import DetinferError
 from .manifest import RunManifest, canonical_json, load_manifest, write_manifest
+from .numerics import NUMERICS_1
 from .run import build_prompt, execute, sampling_record
 from .sampler import SamplingParams
 
@@ -79,6 +80,7 @@ class GoldenRecord(BaseModel):
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     output_text: str
+    numerics: str = NUMERICS_1  # detinfer.numerics.NUMERICS of the recording; absent in numerics-1 files
 
 
 def run_case(engines: dict, case: Case, model: str | None = None) -> RunManifest:
@@ -103,6 +105,7 @@ def golden_record(case: Case, m: RunManifest) -> GoldenRecord:
         prompt_token_ids=m.prompt.token_ids,
         output_token_ids=m.output.token_ids,
         output_text=m.output.text,
+        numerics=m.recorded_numerics(),
     )
 
 

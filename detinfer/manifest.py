@@ -8,6 +8,10 @@ is caught and the edited section named.
 Schema 2 added ``chat_template``: which template a chat prompt was rendered with when it was not the model's own
 (a jinja file or a built-in format), with its text, so ``run --manifest`` and ``verify`` render it again without
 the file. It is a contract section only when present, so schema-1 manifests load and verify unchanged.
+
+``numerics`` names the arithmetic that computed the outputs (detinfer/numerics.py); a manifest without it was
+recorded with ``detinfer-numerics/1``. It is a contract section when present, and verify names a manifest of
+another numerics as such. ``informative.machine`` records the machine (detinfer/machine.py), never compared.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .errors import KVTypeError, ManifestError
 from .fileio import atomic_write_text, read_json
 from .kvcache import KV_QUANT_REASON, QUANTIZED_KV_TYPES
+from .numerics import NUMERICS_1
 
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)  # 1: before ``chat_template``; same fields otherwise
@@ -103,10 +108,11 @@ class Informative(_Record):
     cpu: str
     versions: dict[str, str]
     model_path: str
+    machine: dict[str, str] = {}  # detinfer.machine.machine(); empty in files recorded before it existed
 
 
 CONTRACT_FIELDS = ("model", "tokenizer_sha256", "chat_template_sha256", "prompt", "sampling", "engine", "output")
-OPTIONAL_CONTRACT_FIELDS = ("chat_template",)  # contract sections when present (not None)
+OPTIONAL_CONTRACT_FIELDS = ("chat_template", "numerics")  # contract sections when present (not None)
 
 
 class RunManifest(_Record):
@@ -117,6 +123,7 @@ class RunManifest(_Record):
     tokenizer_sha256: str
     chat_template_sha256: str | None
     chat_template: ChatTemplateRecord | None = None
+    numerics: str | None = None  # None: detinfer-numerics/1 (see recorded_numerics)
     prompt: PromptRecord
     sampling: SamplingRecord
     engine: EngineRecord
@@ -127,6 +134,10 @@ class RunManifest(_Record):
     def contract_fields(self) -> tuple[str, ...]:
         """CONTRACT_FIELDS plus the optional ones this manifest has."""
         return CONTRACT_FIELDS + tuple(k for k in OPTIONAL_CONTRACT_FIELDS if getattr(self, k) is not None)
+
+    def recorded_numerics(self) -> str:
+        """The numerics this manifest was recorded with (``detinfer-numerics/1`` when the field is absent)."""
+        return self.numerics or NUMERICS_1
 
     def contract(self) -> dict[str, Any]:
         """The fields a re-execution must reproduce, as JSON-able data."""
