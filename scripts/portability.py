@@ -114,8 +114,16 @@ def main() -> int:
         ("avx512", "NUMBA_CPU_NAME=skylake-avx512", {"NUMBA_CPU_NAME": "skylake-avx512", "NUMBA_CPU_FEATURES": ""}),
         ("host", "host CPU, all features", {}),
     ]
-    rows: list[tuple[str, bool]] = []
     t0 = time.perf_counter()
+    print("| target | how | arch | compile target | host ISA | libraries | match | time | result |")
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
+
+    rows: list[tuple[str, bool]] = []
+
+    def add(row: tuple[str, bool]) -> None:  # printed as soon as its target is done
+        print(row[0], flush=True)
+        rows.append(row)
+
     with ThreadPoolExecutor(max_workers=1) as pool:
         emulated = None
         if "aarch64" in wanted:
@@ -127,22 +135,19 @@ def main() -> int:
             if name not in wanted:
                 continue
             if name == "avx512" and not _host_has_avx512():
-                rows.append((f"| {name} | {what} | x86_64 | - | - | - | - | - | skipped: the host has no AVX-512 |", True))
+                add((f"| {name} | {what} | x86_64 | - | - | - | - | - | skipped: the host has no AVX-512 |", True))
                 continue
-            rows.append(_row(name, what, _verify(host, files, env, name)))
+            add(_row(name, what, _verify(host, files, env, name)))
         if "oldest" in wanted:
-            rows.append(_row("oldest", "pyproject.toml's lower bounds, second venv", _verify(_oldest_venv(), files, {}, "oldest")))
+            add(_row("oldest", "pyproject.toml's lower bounds, second venv", _verify(_oldest_venv(), files, {}, "oldest")))
         if "control" in wanted:
             r = _verify(host, CONTROL, {"DETINFER_BENCH_FASTMATH": "1"}, "fastmath")
-            rows.append(_row("control", "negative control: fastmath build", r, expect_match=False))
+            add(_row("control", "negative control: fastmath build", r, expect_match=False))
         if emulated is not None:
             try:
-                rows.append(_row("aarch64", "aarch64 Linux under qemu-user", emulated.result()))
+                add(_row("aarch64", "aarch64 Linux under qemu-user", emulated.result()))
             except subprocess.CalledProcessError as e:
-                rows.append((f"| aarch64 | qemu-user | - | - | - | - | - | - | FAIL: setup failed ({e}) |", False))
-    print("| target | how | arch | compile target | host ISA | libraries | match | time | result |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    print("\n".join(line for line, _ in rows))
+                add((f"| aarch64 | qemu-user | - | - | - | - | - | - | FAIL: setup failed ({e}) |", False))
     print(f"\n{len(rows)} targets in {time.perf_counter() - t0:.0f} s")
     return 0 if all(ok for _, ok in rows) else 1
 
