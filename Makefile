@@ -41,7 +41,7 @@ verify: pull
 # Cross-machine proof (scripts/portability.py): committed manifests and goldens of both models re-executed bit for bit
 # on the generic / haswell / skylake-avx512 / host compile targets, with the oldest numba/llvmlite/numpy pyproject.toml
 # allows (second venv), and on aarch64 Linux under qemu-user (needs root for apt-get); plus a negative control (the
-# fastmath build) that must be detected. A subset of the files, about 10 min on 2 cores; -full runs all of them.
+# fastmath build) that must be detected. A subset of the files (budget: 12 min on an idle 2-core machine); -full runs all.
 portability: pull
 	$(BIN)/detinfer pull gemma3-270m-q4_k_m
 	$(BIN)/python scripts/portability.py
