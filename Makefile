@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= Give me three tips for staying healthy.
 
-.PHONY: run test test-boundscheck verify bench scale fuzz manifests golden-update install pull clean
+.PHONY: run test test-boundscheck verify bench scale fuzz manifests golden-update install pull clean portability portability-full
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,18 @@ verify: pull
 	$(BIN)/detinfer verify --threads 1
 	$(BIN)/detinfer verify --threads 2
 
+# Cross-machine proof (scripts/portability.py): committed manifests and goldens of both models re-executed bit for bit
+# on the generic / haswell / skylake-avx512 / host compile targets, with the oldest numba/llvmlite/numpy pyproject.toml
+# allows (second venv), and on aarch64 Linux under qemu-user (needs root for apt-get); plus a negative control (the
+# fastmath build) that must be detected. A subset of the files (budget: 12 min on an idle 2-core machine); -full runs all.
+portability: pull
+	$(BIN)/detinfer pull gemma3-270m-q4_k_m
+	$(BIN)/python scripts/portability.py
+
+portability-full: pull
+	$(BIN)/detinfer pull gemma3-270m-q4_k_m
+	$(BIN)/python scripts/portability.py --full
+
 manifests: pull
 	$(BIN)/python -m detinfer.golden manifests
 
@@ -66,4 +78,4 @@ fuzz: pull
 	$(BIN)/python -m detinfer.fuzz --examples 10000 --report docs/reliability.md
 
 clean:
-	rm -rf $(VENV) .numba-boundscheck run.json
+	rm -rf $(VENV) .numba-boundscheck .portability run.json

@@ -392,6 +392,7 @@ def verify(
     from .batch import verify_failed, verify_task
     from .ci_report import github_annotations, write_junit
     from .engine import set_threads
+    from .machine import describe, short
     from .verify import BAD_INPUT, MATCH, collect, exit_code, to_json_lines
 
     try:
@@ -424,11 +425,14 @@ def verify(
         for line in annotations:
             err.print(line, soft_wrap=True, markup=False, emoji=False, highlight=False)
         raise typer.Exit(exit_code(results))
-    table = Table("manifest", "model", "steps", "result", "time", "threads")
+    table = Table("manifest", "model", "steps", "result", "time", "threads", "recorded on", "re-executed on")
     for r in results:
         style = "green" if r.status == MATCH else "red" if r.status != BAD_INPUT else "yellow"
-        table.add_row(escape(r.path), escape(r.model), str(r.steps), f"[{style}]{r.status}[/]", f"{r.seconds:.1f}s", str(r.threads or ""))
+        table.add_row(escape(r.path), escape(r.model), str(r.steps), f"[{style}]{r.status}[/]", f"{r.seconds:.1f}s", str(r.threads or ""),
+                      escape(short(r.recorded_on)), escape(short(r.reexecuted_on)))
     out.print(table)
+    for described in sorted({describe(m) for r in results for m in (r.recorded_on, r.reexecuted_on) if m}):
+        out.print(f"  {escape(described)}", soft_wrap=True)
     for r in results:
         if r.status == MATCH:
             continue

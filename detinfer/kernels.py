@@ -12,7 +12,9 @@ Rules that make every output bit-identical across thread counts, prefill chunk s
   output keeps its own documented order over k, and LLVM vectorizes *across rows*, which changes no bit.
 - A token's arithmetic never depends on how many other tokens share its chunk: prefill of n tokens computes,
   for every token, exactly the operations one-token decode does.
-- ``exp`` is float32 ``math.exp`` (glibc ``expf``), identical on every compile target tested.
+- ``exp`` and the RoPE tables' sin, cos and pow are detinfer's own (:mod:`detinfer.numerics`), made of IEEE basic
+  operations only: no libm result reaches an output. Kernels that call ``exp32`` in a loop use numba's
+  ``error_model="numpy"`` (no zero-divisor check, which would stop LLVM vectorizing; their divisors are >= 1).
 
 Indexing goes through slices (``row = a[i]``, then ``row[r]`` with ``r`` from ``range``) so LLVM can see the
 indices are non-negative and vectorize. The one computed index, ``block[j * ROWS + r]`` in the quantized matmuls
@@ -32,6 +34,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from .numerics import exp32, pow64, sincos64
 from .quants import f32_to_f16_bits
 
 # Benchmark only (detinfer.bench measures the cost of the contract): DETINFER_BENCH_FASTMATH=1, read once at import,
@@ -447,17 +450,18 @@ def rmsnorm(x, w, eps, out):
 def rope_table(n_ctx, n_rot, base):
     """cos/sin tables for RoPE (Su et al. 2021, RoFormer): angle[p, i] = p * base^(-2i / n_rot).
 
-    Returns (cos, sin), float32 [n_ctx, n_rot // 2], computed in float64 with libm then rounded once.
+    Returns (cos, sin), float32 [n_ctx, n_rot // 2]: inv_freq = pow64(base, -2i / n_rot), a = p * inv_freq,
+    (sin a, cos a) by :func:`~detinfer.numerics.sincos64`, all in float64, each value rounded once to float32.
     """
     half = n_rot // 2
     cos = np.empty((n_ctx, half), np.float32)
     sin = np.empty((n_ctx, half), np.float32)
     for i in range(half):
-        inv_freq = math.pow(base, -2.0 * i / n_rot)
+        inv_freq = pow64(base, -2.0 * i / n_rot)
         for p in range(n_ctx):
-            a = p * inv_freq
-            cos[p, i] = math.cos(a)
-            sin[p, i] = math.sin(a)
+            s, c = sincos64(p * inv_freq)
+            cos[p, i] = c
+            sin[p, i] = s
     return cos, sin
 
 
@@ -481,16 +485,16 @@ def rope_norm(x, positions, n_head, head_dim, cos, sin):
                 xt[o + 2 * i + 1] = x0 * s[i] + x1 * c[i]
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def swiglu(gate, up, out):
-    """SwiGLU (Shazeer 2020): out = silu(gate) * up with silu(g) = g / (1 + exp(-g)); float32 [T, n_ff]."""
+    """SwiGLU (Shazeer 2020): out = silu(gate) * up with silu(g) = g / (1 + exp32(-g)); float32 [T, n_ff]."""
     for t in range(gate.shape[0]):
         gt = gate[t]
         ut = up[t]
         ot = out[t]
         for i in range(gt.shape[0]):
             g = gt[i]
-            ot[i] = (g / (np.float32(1.0) + math.exp(-g))) * ut[i]
+            ot[i] = (g / (np.float32(1.0) + exp32(-g))) * ut[i]
 
 
 @njit(cache=True)
@@ -552,7 +556,7 @@ def kv_write(k_cache, v_cache, k, v, pos0):
                 kv_store(v_cache[g, p], dd, v[t, g * hd + dd])
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, error_model="numpy")
 def attention(q, k_cache, v_cache, pos0, n_head, scale, lut, out, window=0):
     """Causal grouped-query attention of T query tokens at positions pos0.. against the KV cache.
 
@@ -563,7 +567,7 @@ def attention(q, k_cache, v_cache, pos0, n_head, scale, lut, out, window=0):
     i with p - i < w (llama.cpp LLAMA_SWA_TYPE_STANDARD masks p - i >= n_swa).
     For query t at position p = pos0 + t and every visible key position i <= p, in increasing i:
     score_i = (sum over d of q_d * k_id, d left to right) * scale; m = max_i score_i;
-    e_i = expf(score_i - m); z = sum of e_i, i left to right; out_d = (sum of e_i * v_id, i left to right) / z.
+    e_i = exp32(score_i - m); z = sum of e_i, i left to right; out_d = (sum of e_i * v_id, i left to right) / z.
     Parallel over (token, head) pairs only.
     """
     T = q.shape[0]
@@ -587,9 +591,10 @@ def attention(q, k_cache, v_cache, pos0, n_head, scale, lut, out, window=0):
         for i in range(n):
             s[i] = s[i] * scale
             mx = max(mx, s[i])
+        for i in range(n):  # apart from the sum below, so it vectorizes
+            s[i] = exp32(s[i] - mx)
         z = np.float32(0.0)
         for i in range(n):
-            s[i] = math.exp(s[i] - mx)
             z += s[i]
         acc = np.zeros(hd, np.float32)
         for i in range(n):
@@ -649,15 +654,14 @@ GELU_COEF_A = np.float32(0.044715)  # ggml-cpu vec.h, as in the tanh approximati
 SQRT_2_OVER_PI = np.float32(0.79788456080286535587989211986876)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def geglu(gate, up, out):
     """GeGLU (Shazeer 2020) with tanh-approximated GELU: out = gelu(gate) * up; float32 [T, n_ff].
 
     gelu(g) = 0.5 g (1 + tanh(y)), y = sqrt(2/pi) * g * (1 + 0.044715 g^2) (ggml's ``gelu`` formula, HF
-    "gelu_pytorch_tanh"). Computed as g / (1 + expf(-2y)), which is the same function because
-    0.5 (1 + tanh y) = 1 / (1 + e^-2y): it needs only float32 ``math.exp`` (glibc expf, identical on every
-    target; docs/determinism.md), not a libm tanhf whose code path could vary. Order: y = (C * g) * (1 + (A * g) * g)
-    in float32, then (g / (1 + expf(-(2 y)))) * up.
+    "gelu_pytorch_tanh"). Computed as g / (1 + exp32(-2y)), which is the same function because
+    0.5 (1 + tanh y) = 1 / (1 + e^-2y): it needs only detinfer's own exp (:func:`~detinfer.numerics.exp32`), no
+    libm tanhf. Order: y = (C * g) * (1 + (A * g) * g) in float32, then (g / (1 + exp32(-(2 y)))) * up.
     """
     for t in range(gate.shape[0]):
         gt = gate[t]
@@ -666,4 +670,4 @@ def geglu(gate, up, out):
         for i in range(gt.shape[0]):
             g = gt[i]
             y = (SQRT_2_OVER_PI * g) * (np.float32(1.0) + (GELU_COEF_A * g) * g)
-            ot[i] = (g / (np.float32(1.0) + math.exp(-(np.float32(2.0) * y)))) * ut[i]
+            ot[i] = (g / (np.float32(1.0) + exp32(-(np.float32(2.0) * y)))) * ut[i]

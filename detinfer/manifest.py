@@ -12,6 +12,9 @@ the file. It is a contract section only when present, so schema-1 manifests load
 Schema 3 added ``constraint`` (constrain.Constraint: kind, full text, sha256), a contract section when present, and
 ``output.mask_digests`` (the chain of each step's allowed-token mask), written only for a constrained run; schema-1
 and -2 manifests have neither and load and verify unchanged.
+``numerics`` names the arithmetic that computed the outputs (detinfer/numerics.py); a manifest without it was
+recorded with ``detinfer-numerics/1``. It is a contract section when present, and verify names a manifest of
+another numerics as such. ``informative.machine`` records the machine (detinfer/machine.py), never compared.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from .constrain import Constraint
 from .errors import KVTypeError, ManifestError
 from .fileio import atomic_write_text, read_json
 from .kvcache import KV_QUANT_REASON, QUANTIZED_KV_TYPES
+from .numerics import NUMERICS_1
 
 SCHEMA_VERSION = 3
 READABLE_SCHEMAS = (1, 2, 3)  # 1: before ``chat_template``; 2: before ``constraint``; same fields otherwise
@@ -130,10 +134,11 @@ class Informative(_Record):
     cpu: str
     versions: dict[str, str]
     model_path: str
+    machine: dict[str, str] = {}  # detinfer.machine.machine(); empty in files recorded before it existed
 
 
 CONTRACT_FIELDS = ("model", "tokenizer_sha256", "chat_template_sha256", "prompt", "sampling", "engine", "output")
-OPTIONAL_CONTRACT_FIELDS = ("chat_template", "constraint")  # contract sections when present (not None)
+OPTIONAL_CONTRACT_FIELDS = ("chat_template", "constraint", "numerics")  # contract sections when present (not None)
 
 
 class RunManifest(_Record):
@@ -145,6 +150,7 @@ class RunManifest(_Record):
     chat_template_sha256: str | None
     chat_template: ChatTemplateRecord | None = None
     constraint: Constraint | None = None
+    numerics: str | None = None  # None: detinfer-numerics/1 (see recorded_numerics)
     prompt: PromptRecord
     sampling: SamplingRecord
     engine: EngineRecord
@@ -155,6 +161,10 @@ class RunManifest(_Record):
     def contract_fields(self) -> tuple[str, ...]:
         """CONTRACT_FIELDS plus the optional ones this manifest has."""
         return CONTRACT_FIELDS + tuple(k for k in OPTIONAL_CONTRACT_FIELDS if getattr(self, k) is not None)
+
+    def recorded_numerics(self) -> str:
+        """The numerics this manifest was recorded with (``detinfer-numerics/1`` when the field is absent)."""
+        return self.numerics or NUMERICS_1
 
     def contract(self) -> dict[str, Any]:
         """The fields a re-execution must reproduce, as JSON-able data."""

@@ -20,6 +20,7 @@ from .constrain import Constraint
 from .engine import DEFAULT_CHUNK, Engine
 from .errors import InputError, ManifestError, TemplateError
 from .generate import GenerationResult, Step, generate
+from .machine import machine
 from .manifest import (
     ChatTemplateRecord,
     EngineRecord,
@@ -33,6 +34,7 @@ from .manifest import (
     cpu_name,
     tokens_sha256,
 )
+from .numerics import NUMERICS
 from .registry import REGISTRY
 from .sampler import SamplingParams
 
@@ -188,6 +190,7 @@ def execute_steps(
         chat_template_sha256=used.hash if (used := template or engine.chat_template) else None,
         chat_template=template_record(template) if prompt.chat else None,
         constraint=constraint,
+        numerics=NUMERICS,
         prompt=prompt,
         sampling=sampling,
         engine=EngineRecord(n_ctx=engine.n_ctx, kv_type=engine.kv_type),
@@ -199,6 +202,7 @@ def execute_steps(
             cpu=cpu_name(),
             versions=versions(),
             model_path=str(engine.model_file.path),
+            machine=machine(),
         ),
     ).sealed()
 
@@ -223,7 +227,7 @@ class Comparison:
 
 
 def compare(expected: RunManifest, actual: RunManifest) -> Comparison:
-    """Compare the contract fields of two manifests: inputs' hashes, output tokens, text, stop reason, KV hash
+    """Compare the contract fields of two manifests: the numerics id, inputs' hashes, output tokens, text, stop reason, KV hash
     and the logits digest chain. ``first_divergent_step`` is the first step whose logits digest or token differs."""
     diffs: list[Difference] = []
 
@@ -231,6 +235,7 @@ def compare(expected: RunManifest, actual: RunManifest) -> Comparison:
         if a != b:
             diffs.append(Difference(name, *excerpts(a, b)))
 
+    check("numerics", expected.recorded_numerics(), actual.recorded_numerics())
     check("model.sha256", expected.model.sha256, actual.model.sha256)
     check("tokenizer_sha256", expected.tokenizer_sha256, actual.tokenizer_sha256)
     check("chat_template_sha256", expected.chat_template_sha256, actual.chat_template_sha256)

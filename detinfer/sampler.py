@@ -19,8 +19,8 @@ Exact arithmetic (part of the determinism contract). l = penalized float32 logit
 
     l_i   = f32(f64(logit_i) / r) if logit_i > 0 else f32(f64(logit_i) * r)    (each distinct id of the window)
     x_i   = f32((f64(l_i) - f64(l_max)) / T)          float64 ops, one rounding to float32; x = 0 at the max
-    w_i   = expf(x_i)                                 float32, glibc expf via numba (NUMERICS.md); w = 1 at the max;
-                                                      taken as 0 when x_i < -30 (expf < 2**-40 there: q_i = 0 anyway)
+    w_i   = exp32(x_i)                                float32, detinfer.numerics (no libm); w = 1 at the max;
+                                                      taken as 0 when x_i < -30 (exp < 2**-40 there: q_i = 0 anyway)
     q_i   = floor(w_i * 2**F)                         int64 fixed-point weight, exact (no floor) for w >= 2**-17
     S     = sum of q_i over C                         exact integer sum: order-free, p_i = q_i / S
     kept  = i in C with q_i > 0 and w_i >= min_p      min-p: p_i >= min_p * p_max since w_i = p_i / p_max
@@ -46,7 +46,6 @@ the window once); top-k from Fan et al. 2018 (arXiv:1805.04833); top-p (nucleus)
 from __future__ import annotations
 
 import hashlib
-import math
 import operator
 from collections.abc import Sequence
 
@@ -55,6 +54,7 @@ from numba import njit
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import InputError
+from .numerics import exp32, log32
 
 U64 = 2**64
 WEIGHT_BITS = 40  # F above: q = floor(w * 2**F); S <= n_vocab * 2**F must fit int64
@@ -196,11 +196,11 @@ def _key(b):
 
 @njit(cache=True)
 def _weight(logit, l_max, temperature):
-    """(w, q) of one logit: w = expf(f32((f64(l) - l_max) / T)) (glibc expf), q = floor(w * 2**F)."""
+    """(w, q) of one logit: w = exp32(f32((f64(l) - l_max) / T)) (detinfer.numerics), q = floor(w * 2**F)."""
     x = np.float32((np.float64(logit) - l_max) / temperature)
-    if x < np.float32(-30.0):  # expf(-30) ~ 9.4e-14 < 2**-40: q would be 0, skip the exp (same result)
+    if x < np.float32(-30.0):  # exp(-30) ~ 9.4e-14 < 2**-40: q would be 0, skip the exp (same result)
         return np.float32(0.0), np.int64(0)
-    w = math.exp(x)  # float32 in and out
+    w = exp32(x)  # float32 in and out
     return w, np.int64(np.float64(w) * np.float64(2.0**WEIGHT_BITS))  # exact product; int64() = floor, w >= 0
 
 
@@ -547,8 +547,8 @@ def _log_softmax_at(logits, ids, out):
     m64 = np.float64(m)
     z = 0.0
     for i in range(logits.shape[0]):  # id order, float64 accumulator
-        z += np.float64(math.exp(np.float32(np.float64(logits[i]) - m64)))  # float32 glibc expf
-    lz = np.float64(math.log(np.float32(z)))  # float32 glibc logf
+        z += np.float64(exp32(np.float32(np.float64(logits[i]) - m64)))
+    lz = np.float64(log32(np.float32(z)))
     for j in range(ids.shape[0]):
         out[j] = (np.float64(logits[ids[j]]) - m64) - lz
 
@@ -561,12 +561,12 @@ def log_softmax_at(logits: np.ndarray, ids: Sequence[int]) -> list[float]:
 
         m      = max_i l_i                                          float32
         x_i    = f32(f64(l_i) - f64(m))                             one rounding to float32
-        z      = sum over i = 0 .. n-1, in id order, of f64(expf(x_i))    float64 accumulator, sequential
-        lz     = f64(logf(f32(z)))                                  float32 glibc logf, 1 <= z <= n
+        z      = sum over i = 0 .. n-1, in id order, of f64(exp32(x_i))   float64 accumulator, sequential
+        lz     = f64(log32(f32(z)))                                 float32, 1 <= z <= n
         out_j  = (f64(l_id) - f64(m)) - lz                          float64 operations
 
-    expf and logf are float32 glibc calls through numba, identical on every compile target and with glibc's
-    FMA paths off (NUMERICS.md; float64 log is not). The top token's value is -lz <= 0; a -inf logit gives -inf.
+    exp32 and log32 are detinfer's own (detinfer.numerics: IEEE basic operations only, the same bits on every
+    machine). The top token's value is -lz <= 0; a -inf logit gives -inf.
     Raises InputError for logits that are not a non-empty 1-D float32 array, hold NaN, +inf or only -inf, or an
     id outside [0, n_vocab).
     """

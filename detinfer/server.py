@@ -53,6 +53,7 @@ from .errors import ConstraintError, DetinferError
 from .fileio import parse_json
 from .generate import DIGEST_SEED, GenerationResult, Step, check_prompt, generate
 from .manifest import tokens_sha256
+from .numerics import NUMERICS
 from .prefix_cache import PrefixCache
 from .sampler import RNG_PERSON, WEIGHT_BITS, SamplingParams
 from .session import ChatMessage, TurnRecord, TurnSampling, effective_sampling, new_record, write_session
@@ -488,7 +489,7 @@ class Worker:
 
 def numerics_spec(engine: Engine) -> str:
     """What besides the model and detinfer's version fixes the numbers (part of ``system_fingerprint``)."""
-    return f"detinfer-numerics/1;kv={engine.kv_type};rng={RNG_PERSON.decode()};weight_bits={WEIGHT_BITS};digest={DIGEST_SEED[:16]}"
+    return f"{NUMERICS};kv={engine.kv_type};rng={RNG_PERSON.decode()};weight_bits={WEIGHT_BITS};digest={DIGEST_SEED[:16]}"
 
 
 def model_id(engine: Engine) -> str:

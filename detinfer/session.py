@@ -23,7 +23,9 @@ from .errors import InputError, ManifestError
 from .fileio import atomic_write_text, read_json
 from .generate import GenerationResult, Step, check_prompt, generate
 from .kvcache import KVCache
+from .machine import machine
 from .manifest import ChatTemplateRecord, Count, EngineRecord, ModelRecord, OmitNone, TokenId, canonical_json
+from .numerics import NUMERICS, NUMERICS_1
 from .prefix_cache import PrefixCache
 from .run import first_difference, model_record, recorded_template, template_record, versions
 from .sampler import SamplingParams
@@ -135,6 +137,7 @@ class SessionRecord(_Strict):
     tokenizer_sha256: str
     chat_template_sha256: str | None
     chat_template: ChatTemplateRecord | None = None  # a --chat-template (built-in or file) with its text
+    numerics: str = NUMERICS_1  # detinfer.numerics.NUMERICS of the recording; absent in numerics-1 records
     engine: EngineRecord
     turns: list[TurnRecord]
     informative: dict[str, Any] = {}
@@ -301,9 +304,11 @@ def new_record(engine: Engine, turns: list[TurnRecord], template: ChatTemplate |
         tokenizer_sha256=engine.tokenizer.hash,
         chat_template_sha256=used.hash if used else None,
         chat_template=template_record(template),
+        numerics=NUMERICS,
         engine=EngineRecord(n_ctx=engine.n_ctx, kv_type=engine.kv_type),
         turns=turns,
-        informative={"threads": numba.get_num_threads(), "versions": versions(), "model_path": str(engine.model_file.path)},
+        informative={"threads": numba.get_num_threads(), "versions": versions(), "model_path": str(engine.model_file.path),
+                     "machine": machine()},
     )
 
 
@@ -432,7 +437,8 @@ def replay_turns(
     warn: Callable[[str], None] | None = None,
     prefix_cache: PrefixCache | None = None,
 ) -> list[tuple[TurnRecord, list[str], int | None]]:
-    """Re-execute recorded turns: for each, (actual turn, differing fields, first divergent step).
+    """Re-execute recorded turns: for each, (actual turn, differing fields, first divergent step). A record of other
+    numerics (detinfer/numerics.py) differs in every turn, named first.
 
     ``use_cache`` False recomputes every prefix from scratch (and ignores ``prefix_cache``); ``kv_dir`` restores
     each turn's prefix from the snapshot saved after the previous turn (a bad snapshot is a cache miss: recompute,
@@ -456,6 +462,8 @@ def replay_turns(
                           tool_calls=turn.tool_calls, prefix_cache=prefix_cache if use_cache else None,
                           constraint=_recorded_constraint(turn))
         diffs = compare_turn(turn, actual)
+        if record.numerics != NUMERICS:
+            diffs.insert(0, f"numerics (recorded with {record.numerics}; this detinfer computes {NUMERICS}: record the session again)")
         firsts = (first_difference(turn.logits_digests, actual.logits_digests),
                   first_difference(turn.generated_token_ids, actual.generated_token_ids))
         results.append((actual, diffs, min((k for k in firsts if k is not None), default=None)))

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 from pydantic import BaseModel, ConfigDict
 
 from .manifest import RunManifest, TokenId, canonical_json
+from .numerics import NUMERICS_1
 from .run import first_difference
 from .session import ChatMessage, SessionRecord
 
@@ -33,6 +34,7 @@ class RunStream(_Stream):
     output_token_ids: list[TokenId]
     output_text: str
     stop_reason: str
+    numerics: str = NUMERICS_1  # detinfer.numerics.NUMERICS of the recording; absent in numerics-1 files
 
 
 class TurnStream(_Stream):
@@ -52,6 +54,7 @@ class SessionStream(_Stream):
     model_sha256: str
     settings: dict[str, Any]
     turns: list[TurnStream]
+    numerics: str = NUMERICS_1  # detinfer.numerics.NUMERICS of the recording; absent in numerics-1 files
 
 
 def run_stream(m: RunManifest) -> RunStream:
@@ -64,6 +67,7 @@ def run_stream(m: RunManifest) -> RunStream:
         output_token_ids=m.output.token_ids,
         output_text=m.output.text,
         stop_reason=m.output.stop_reason,
+        numerics=m.recorded_numerics(),
     )
 
 
@@ -75,6 +79,7 @@ def session_stream(record: SessionRecord) -> SessionStream:
         turns=[TurnStream(messages=t.messages, sampling=t.sampling, prompt_token_ids=t.appended_token_ids,
                           output_token_ids=t.generated_token_ids, output_text=t.text, stop_reason=t.stop_reason)
                for t in record.turns],
+        numerics=record.numerics,
     )
 
 

@@ -1,7 +1,7 @@
 """verify: re-execute recorded manifests and golden token streams, and report exactly what differs.
 
-Only contract fields are compared (see manifest.py); threads, chunk size, timings and CPU are shown, never
-compared. A manifest whose model is missing or has another sha256 is reported as bad input, not as a mismatch.
+Only contract fields are compared (see manifest.py); threads, chunk size, timings and the machine are shown,
+never compared. A file recorded with other numerics (detinfer/numerics.py) is a mismatch that says so. A manifest whose model is missing or has another sha256 is reported as bad input, not as a mismatch.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from .errors import DetinferError, ManifestError
 from .fileio import load_json
 from .kvcache import parse_kv_type
 from .manifest import EngineRecord, PromptRecord, RunManifest, SamplingRecord, load_manifest, tokens_sha256
+from .numerics import NUMERICS
 from .registry import name_for_sha256
 from .fileio import read_json
 from .generate import GenerationResult, generate
@@ -57,6 +58,8 @@ class VerifyResult:
     differences: list[dict] = field(default_factory=list)
     divergence: Divergence | None = None
     threads: int | None = None
+    recorded_on: dict[str, str] = field(default_factory=dict)  # detinfer.machine.machine() of the recording
+    reexecuted_on: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k != "divergence"}
@@ -173,11 +176,14 @@ def verify_golden(path: Path, engines: dict[tuple, Engine], *, model: str | None
                            ("stop_reason", record.stop_reason, actual.output.stop_reason))
         if a != b
     ]
+    if record.numerics != NUMERICS:
+        diffs.insert(0, Difference("numerics", record.numerics, NUMERICS).__dict__)
     result = VerifyResult(str(path), MISMATCH if diffs else MATCH, model=engine.model_file.path.name, steps=len(record.output_token_ids),
-                          seconds=time.perf_counter() - t0, differences=diffs, threads=actual.informative.threads)
+                          seconds=time.perf_counter() - t0, differences=diffs, threads=actual.informative.threads,
+                          reexecuted_on=actual.informative.machine)
     if diffs:
         result.divergence = _divergence(engine, record.output_token_ids, [], actual, None)
-        result.message = "differs: " + ", ".join(d["field"] for d in diffs)
+        result.message = _mismatch_message(record.numerics, [d["field"] for d in diffs])
     return result
 
 
@@ -263,6 +269,15 @@ def replay_stream(engine: Engine, stream: SessionStream) -> list[tuple[list[int]
     return turns
 
 
+def _mismatch_message(recorded_numerics: str, fields: list[str]) -> str:
+    """ "differs: ...", led by the numerics case when the file was recorded with other numerics."""
+    message = "differs: " + ", ".join(fields)
+    if recorded_numerics != NUMERICS:
+        return (f"recorded with numerics {recorded_numerics.rsplit('/', 1)[-1]}; this detinfer computes numerics "
+                f"{NUMERICS.rsplit('/', 1)[-1]} ({NUMERICS}); re-record with make manifests / make golden-update; {message}")
+    return message
+
+
 def verify_file(path: Path, engines: dict[tuple, Engine], *, model: str | None = None) -> VerifyResult:
     """Re-execute one manifest, golden record or session. Engines are cached by (model sha256, n_ctx, kv_type)."""
     if _is_golden(path):
@@ -287,10 +302,12 @@ def verify_file(path: Path, engines: dict[tuple, Engine], *, model: str | None =
         seconds=time.perf_counter() - t0,
         differences=[d.__dict__ for d in comparison.differences],
         threads=actual.informative.threads,
+        recorded_on=manifest.informative.machine,
+        reexecuted_on=actual.informative.machine,
     )
     if not comparison.match:
         result.divergence = _divergence(engine, manifest.output.token_ids, manifest.output.top_logits, actual, comparison.first_divergent_step)
-        result.message = "differs: " + ", ".join(d.field for d in comparison.differences)
+        result.message = _mismatch_message(manifest.recorded_numerics(), [d.field for d in comparison.differences])
     return result
 
 

@@ -15,7 +15,9 @@ from typer.testing import CliRunner
 
 from detinfer.cli import app
 from detinfer.engine import Engine, set_threads
-from detinfer.session import load_session, replay_turns
+from detinfer.machine import machine
+from detinfer.numerics import NUMERICS
+from detinfer.session import SessionRecord, load_session, replay_turns
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "data" / "agent20.json"
@@ -49,6 +51,17 @@ def test_record_holds_every_turn_as_tokens(recorded, engine):
         history += turn.appended_token_ids + turn.generated_token_ids
     assert any(t.stop_reason == "eos" for t in record.turns)
     assert len({t.kv_sha256 for t in record.turns}) == 20
+
+
+def test_a_record_of_other_numerics_is_named_in_every_turn(recorded, engine):
+    record = load_session(recorded[0])
+    assert record.numerics == NUMERICS and record.informative["machine"] == machine()
+    data = json.loads(Path(recorded[0]).read_text())
+    del data["numerics"]  # as written before numerics 2: such a record is numerics 1
+    old = SessionRecord.model_validate(data)
+    for actual, diffs, step in replay_turns(engine, old, until=2):
+        assert diffs[0].startswith(f"numerics (recorded with detinfer-numerics/1; this detinfer computes {NUMERICS}"), diffs
+        assert diffs[1:] == [], diffs  # the outputs themselves match: only the numerics id is named
 
 
 @pytest.mark.parametrize("use_cache", [True, False], ids=["prefix-cache", "no-cache"])

@@ -24,6 +24,8 @@ from detinfer.engine import Engine
 from detinfer.golden import Case, run_case, write_manifests
 from detinfer.tokenstream import run_stream, stream_json
 from detinfer.kvcache import KV_QUANT_REASON
+from detinfer.machine import describe, machine
+from detinfer.numerics import NUMERICS
 from detinfer.manifest import SCHEMA_VERSION, RunManifest, load_manifest, tokens_sha256, write_manifest
 from detinfer.run import build_prompt, excerpts, execute, sampling_record
 from detinfer.sampler import SamplingParams
@@ -340,6 +342,30 @@ def test_golden_record_with_other_tokens_is_a_mismatch(home: Path, model_path: P
     assert res["status"] == "mismatch" and [d["field"] for d in res["differences"]] == ["output_token_ids"]
     dv = res["divergence"]
     assert (dv["step"], dv["expected_token"], dv["actual_token"]) == (2, 7042, GREEDY_IDS[2])
+
+
+def test_a_record_of_other_numerics_is_named_as_such(home: Path, model_path: Path, recorded: Path, golden_file: Path, tmp_path: Path):
+    """A file without ``numerics`` was recorded by numerics 1 (glibc expf/logf/sin/cos/pow): verify says so first."""
+    data = manifest_data(recorded)
+    assert data["numerics"] == NUMERICS and data["informative"]["machine"]["arch"]
+    del data["numerics"], data["section_sha256"]["numerics"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    golden = json.loads(golden_file.read_text())
+    assert golden.pop("numerics") == NUMERICS
+    (tmp_path / "old_golden.json").write_text(json.dumps(golden))
+    code, results, _ = verify_json(home, model_path, tmp_path)
+    assert code == 1
+    for name in ("old.json", "old_golden.json"):
+        res = results[name]
+        assert res["status"] == "mismatch" and res["differences"][0]["field"] == "numerics", res
+        assert res["message"].startswith(f"recorded with numerics 1; this detinfer computes numerics 2 ({NUMERICS}); re-record"), res
+    assert results["old.json"]["recorded_on"] == results["old.json"]["reexecuted_on"] == machine()
+
+
+def test_verify_table_shows_where_it_was_recorded_and_re_executed(home: Path, model_path: Path, recorded: Path):
+    r = verify(home, model_path, recorded / "greedy.json")
+    assert r.exit_code == 0 and "recorded on" in r.stdout and "re-executed on" in r.stdout
+    assert describe(machine()) in r.stdout
 
 
 def test_a_committed_gemma_golden_record_verifies_on_its_own(gemma_path: Path):
