@@ -27,12 +27,15 @@ run: pull
 test: pull
 	$(BIN)/python -m pytest -q
 
-# The suite once more with numba's bounds checking on (its own JIT cache: numba's cache key ignores the flag): an
-# index that validation missed becomes an IndexError instead of a silent out-of-bounds read. Bounds-checked kernels
-# do not vectorize, so this pass is several times slower; it leaves out the `slow` compile-target test and the
-# `frameworks` tests (agent frameworks over HTTP: they exercise no kernel path the rest of the suite does not).
+# The kernel-facing tests once more with numba's bounds checking on (its own JIT cache: numba's cache key ignores the
+# flag): an index that validation missed becomes an IndexError instead of a silent out-of-bounds read. Bounds-checked
+# kernels do not vectorize, so this pass is several times slower: it runs the tests that feed kernels, quant blocks,
+# the sampler and KV files with real or malformed data (BOUNDSCHECK_TESTS), not the HTTP, framework or Ray tests,
+# which reach the kernels only through the same paths.
+BOUNDSCHECK_TESTS := tests/test_kernels.py tests/test_quants.py tests/test_arch.py tests/test_numerics.py tests/test_sampler.py \
+	tests/test_kvcache.py tests/test_bad_input.py tests/test_fuzz.py tests/test_determinism.py
 test-boundscheck: pull
-	NUMBA_BOUNDSCHECK=1 NUMBA_CACHE_DIR=$(CURDIR)/.numba-boundscheck $(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow and not frameworks"
+	NUMBA_BOUNDSCHECK=1 NUMBA_CACHE_DIR=$(CURDIR)/.numba-boundscheck $(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" $(BOUNDSCHECK_TESTS)
 
 verify: pull
 	$(BIN)/detinfer pull gemma3-270m-q4_k_m
