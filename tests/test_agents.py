@@ -238,9 +238,8 @@ def test_smolagents_tool_calling_agent(base_url, recorded):
         """
         return calc.multiply(a, b)
 
-    # tool_choice "auto": smolagents' default, "required", needs the tool-choice constraint (structured outputs)
-    model = smolagents.OpenAIServerModel("smollm2", api_base=base_url, api_key="unused", temperature=0,
-                                         max_tokens=MAX_TOKENS, tool_choice="auto")  # fmt: skip
+    # smolagents' defaults: it sends tool_choice "required", which the server enforces as a tool-call constraint
+    model = smolagents.OpenAIServerModel("smollm2", api_base=base_url, api_key="unused", temperature=0, max_tokens=MAX_TOKENS)
     agent = smolagents.ToolCallingAgent(tools=[add, multiply], model=model, max_steps=3, verbosity_level=0)
     for x, y, z in EXAMPLES:  # earlier solved tasks in the agent's memory: the few-shot turns
         agent.memory.steps.append(TaskStep(task=f"What is ({x} + {y}) * {z}?"))
