@@ -16,7 +16,6 @@ and writes ``DIR/<id>.json``, a normal run manifest (``detinfer verify`` re-exec
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any, Callable, Sequence, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import DetinferError, InputError
-from .fileio import atomic_write_text
+from .fileio import atomic_write_text, load_json, parse_json, read_input_text
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # a file name in DIR: no separators, no "..", no hidden files
 WRITTEN, SKIPPED, BAD_INPUT = "written", "skipped", "bad input"
@@ -123,10 +122,7 @@ def read_batch(path: Path, *, model: str | None = None, n_ctx: int = 4096, kv_ty
     """Parse a JSONL batch file (blank lines are skipped). A line that is not JSON or not a valid run is kept as a
     bad-input item, so the other lines still run. Raises InputError for an unreadable file, no lines, or an id
     used twice (naming both line numbers)."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"cannot read batch file {path}: {getattr(e, 'strerror', None) or e}") from None
+    text = read_input_text(path, InputError, "batch file")
     items: list[BatchItem] = []
     seen: dict[str, int] = {}
     for n, raw in enumerate(text.splitlines(), start=1):
@@ -134,12 +130,12 @@ def read_batch(path: Path, *, model: str | None = None, n_ctx: int = 4096, kv_ty
             continue
         spec, error, id_ = None, None, f"line-{n}"
         try:
-            data = json.loads(raw)
+            data = parse_json(raw, InputError, "batch line", f"{path}:{n}")
             if isinstance(data, dict) and isinstance(data.get("id"), str):
                 id_ = data["id"]
             spec = BatchLine.model_validate(data)
-        except json.JSONDecodeError as e:
-            error = f"{path}:{n}: not JSON ({e.msg} at column {e.colno})"
+        except InputError as e:
+            error = str(e)
         except ValidationError as e:
             err = e.errors()[0]
             where = ".".join(str(x) for x in err["loc"])
@@ -244,10 +240,10 @@ def _registry_name_of(path: Path) -> str | None:
     from .registry import name_for_sha256
 
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = load_json(path, InputError, "record")
         model = data.get("model")
         return model.get("registry_name") if isinstance(model, dict) else name_for_sha256(data.get("model_sha256"))
-    except (OSError, ValueError, AttributeError):
+    except (DetinferError, AttributeError):
         return None
 
 
@@ -330,6 +326,8 @@ def session_files(paths: Sequence[Path]) -> list[Path]:
             files.extend(sorted(p.glob("*.json")))
         elif p.is_file():
             files.append(p)
+        elif p.exists():
+            raise InputError(f"{p} is not a regular file; pass session files or folders")
         else:
             raise InputError(f"{p} does not exist; pass session files or folders")
     if not files:

@@ -591,6 +591,8 @@ def replay(
     else:
         results = run_local(partial(task, warn=warn), [str(f) for f in files], lambda i, r: None)
     rows = [row for r in results for row in r.rows]
+    if len(rows) == 1 and rows[0]["result"] == BAD_INPUT and not as_json:
+        _fail(InputError(rows[0]["message"]))  # the one file asked for cannot be replayed: say why in one line
     if as_json:
         out.print(_json.dumps(rows), soft_wrap=True, markup=False)
     else:

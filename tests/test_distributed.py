@@ -227,7 +227,7 @@ def test_a_bad_batch_line_is_bad_input_for_that_line_only(tmp_path):
     results = [batch_task(state, item) for item in items]
     assert [(r.id, r.status) for r in results] == [("plain", WRITTEN), ("line-2", BAD_INPUT), ("../x", BAD_INPUT), ("hot", BAD_INPUT)]
     assert len(state.engines) == 1  # a worker loads a model once and keeps it
-    assert "not JSON" in results[1].message and "id" in results[2].message and "temperature" in results[3].message
+    assert "not a JSON batch line" in results[1].message and "id" in results[2].message and "temperature" in results[3].message
     batch.write_text(json.dumps(LINES[0]) + "\n" + json.dumps(LINES[0]) + "\n")
     with pytest.raises(InputError, match="used on lines 1 and 2"):
         read_batch(batch)

@@ -94,13 +94,14 @@ def test_json_schema_same_bytes_cold_warm_streamed_and_at_two_threads(server, en
     req = ChatRequest.model_validate({"model": "x", "messages": MESSAGES})
     prompt, _ = server.server.config.app.state.server.prepare_chat(req)
     res = GenerationResult()
+    before = numba.get_num_threads()
     set_threads(2)  # this (test) thread's numba pool; the server's decode thread keeps its 1
     try:
         for _ in generate(engine, prompt, SamplingParams.create(temperature=0.8, seed=3), max_tokens=60, result=res,
                           constraint=json_schema_constraint(PERSON)):  # fmt: skip
             pass
     finally:
-        set_threads(1)
+        set_threads(before)
     assert tokens_sha256(res.tokens) == cold.headers["x-detinfer-output-sha256"] and res.text == content
 
 

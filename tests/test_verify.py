@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 import detinfer.golden
 from detinfer.cli import app
-from detinfer.engine import Engine
+from detinfer.engine import Engine, set_threads
 from detinfer.golden import Case, run_case, write_manifests
 from detinfer.tokenstream import run_stream, stream_json
 from detinfer.kvcache import KV_QUANT_REASON
@@ -105,6 +105,7 @@ def engine(model_path: Path) -> Engine:
 def recorded(engine: Engine, model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder of manifests recorded with the library: greedy, seeded sampling, f16 KV (8 tokens each)."""
     folder = tmp_path_factory.mktemp("recorded")
+    set_threads(None)  # recorded with every thread (an earlier test may have left this thread's pool at 1)
     engines = {"f32": engine, "f16": Engine.load(model_path, n_ctx=256, kv_type="f16")}
     for name, (text, params, kv_type) in RUNS.items():
         eng = engines[kv_type]
