@@ -32,9 +32,16 @@ print(" ".join(f"{n}=={md.version(n)}" for n in names))
 PY
 )
     rm -rf "$OUT/wheels" "$OUT/site"
-    "$VENV_PY" -m pip download -q --only-binary=:all: --python-version 3.11 --implementation cp \
-        --platform manylinux_2_28_aarch64 --platform manylinux_2_17_aarch64 --platform manylinux2014_aarch64 \
-        -d "$OUT/wheels" $REQS
+    aarch64_wheels() {
+        "$VENV_PY" -m pip download -q --only-binary=:all: --python-version 3.11 --implementation cp \
+            --platform manylinux_2_28_aarch64 --platform manylinux_2_17_aarch64 --platform manylinux2014_aarch64 \
+            -d "$OUT/wheels" "$@"
+    }
+    for req in $REQS; do
+        # a package with no aarch64 wheel at the venv's version (llguidance 1.9.1) takes its newest aarch64 wheel:
+        # it is not on the numerical path, and versions are informative, never compared
+        aarch64_wheels "$req" 2>/dev/null || { echo "no aarch64 wheel of $req; using the newest one"; aarch64_wheels "${req%%==*}"; }
+    done
     mkdir -p "$OUT/site"
     for w in "$OUT"/wheels/*.whl; do "$VENV_PY" -m zipfile -e "$w" "$OUT/site"; done
     touch "$OUT/site/.complete"
