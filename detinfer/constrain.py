@@ -20,6 +20,7 @@ grammar can spell them out of text.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import re
 import threading
@@ -253,4 +254,4 @@ class Guide:
 
 def version() -> dict[str, str]:
     """The constraint library's name and version (recorded in manifests' informative section)."""
-    return {"llguidance": llguidance.__version__}
+    return {"llguidance": importlib.metadata.version("llguidance")}  # older releases have no __version__
