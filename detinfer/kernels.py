@@ -34,7 +34,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .numerics import exp32, pow64, sincos64
+from .numerics import exp32, fma32, pow64, sincos64
 from .quants import f32_to_f16_bits
 
 # Benchmark only (detinfer.bench measures the cost of the contract): DETINFER_BENCH_FASTMATH=1, read once at import,
@@ -68,23 +68,6 @@ def _prefetch(typingctx, arr, idx):
         return context.get_dummy_value()
 
     return types.none(arr, types.intp), codegen
-
-
-@intrinsic
-def fma32(typingctx, a, b, c):
-    """float32 fused multiply-add a * b + c with one rounding (``llvm.fma.f32``).
-
-    Exactly rounded by IEEE 754 on every target: one FMA instruction where the CPU has it, a correctly
-    rounded libm ``fmaf`` otherwise; LLVM vectorizes it to vfmadd...ps. Never implicit: only written calls fuse.
-    """
-    sig = types.float32(types.float32, types.float32, types.float32)
-
-    def codegen(context, builder, sig, args):
-        f32 = ir.FloatType()
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, f32, f32]), "llvm.fma.f32")
-        return builder.call(fn, args)
-
-    return sig, codegen
 
 
 @intrinsic
