@@ -6,6 +6,10 @@
 
 __version__ = "0.1.0"
 
+from .jit import configure as _configure_jit  # noqa: E402
+
+_configure_jit()  # before any kernel compiles
+
 # After __version__ (run.py reads it). The function ``verify`` replaces the submodule of that name as the package's
 # attribute: ``detinfer.verify(paths)``; the module stays importable as ``from detinfer.verify import ...``.
 from .api import Constraint, LLM, Result, Sampling, SessionResult, Step, Stream, VerifyResult, load, verify  # noqa: E402

@@ -7,6 +7,7 @@ import functools
 import platform
 import sys
 
+from .jit import target_features_note
 from .manifest import cpu_name
 
 FEATURES = ("fma", "avx2", "avx512f", "neon", "asimd")  # the ISA features a compile target could use for floats
@@ -28,7 +29,7 @@ def machine() -> dict[str, str]:
         "cpu": cpu_name(),
         "arch": platform.machine(),
         "host_cpu_name": llvm.get_host_cpu_name(),
-        "compile_target": target + (f" features={numba.config.CPU_FEATURES!r}" if numba.config.CPU_FEATURES is not None else ""),
+        "compile_target": target + target_features_note(numba.config.CPU_FEATURES),
         "isa": ",".join(f for f in FEATURES if f in host_features),
         "os": f"{platform.system()} {platform.release()}",
         "libc": libc,
