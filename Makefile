@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= Give me three tips for staying healthy.
 
-.PHONY: run test test-boundscheck verify bench scale fuzz manifests golden-update install pull clean portability portability-full
+.PHONY: run test test-boundscheck verify bench bench-peers bench-models scale fuzz manifests golden-update install pull clean portability portability-full
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -64,11 +64,54 @@ $(VENV)/.bench-installed: $(STAMP)
 	$(BIN)/pip install --quiet -e '.[dev,bench]'
 	touch $@
 
-# The suite (SmolLM2, and gemma3 when the registry has it), then the KV-cache curve and its plot; about 25-35 min
-# on an otherwise idle 2-core machine.
-bench: pull $(VENV)/.bench-installed
+# llama.cpp side by side: llama-cpp-python built once per instruction set, each into its own folder that the bench's
+# llama.cpp worker for that ISA puts first on its import path (detinfer bench --peers-dir). Dependencies come from the
+# venv except diskcache. pip's wheel cache is off because it keys a built wheel on the sdist alone: the second build
+# would reuse the first one's binary. A folder is complete once its BUILD file (how it was built) exists; a killed
+# build leaves only $(PEERS_DIR)/*.tmp, removed by the next run. Building from the sdist takes about 15 min per ISA
+# on 2 cores; PEER_WHEELS=DIR installs DIR/host/ and DIR/avx2/ llama_cpp_python wheels built with the same CMAKE_ARGS.
+# On an AMX CPU the native build's AMX path (ggml_backend_amx_mul_mat) segfaulted on this project's Xeon VM (llama.cpp
+# issue 20824): the bench then records llama.cpp on host as not measured, with a warning, and keeps everything else.
+LLAMA_CPP_VERSION := 0.3.36
+PEERS_DIR := .bench
+PEER_WHEELS ?=
+CMAKE_ARGS_host := -DGGML_NATIVE=ON
+CMAKE_ARGS_avx2 := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF \
+	-DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF \
+	-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+PEER_MODE = $(if $(PEER_WHEELS),wheel,sdist)
+PEER_WHEEL = $(wildcard $(PEER_WHEELS)/$*/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl)
+PEER_PIP_sdist = --no-binary llama-cpp-python llama-cpp-python==$(LLAMA_CPP_VERSION)
+PEER_PIP_wheel = $(PEER_WHEEL)
+PEER_HOW_sdist = built from the sdist with CMAKE_ARGS="$(CMAKE_ARGS_$*)"
+PEER_HOW_wheel = installed from the prebuilt wheel $(PEER_WHEEL) (make PEER_WHEELS=...; to be built with CMAKE_ARGS="$(CMAKE_ARGS_$*)")
+
+bench-peers: $(PEERS_DIR)/llama-cpp-host/BUILD $(PEERS_DIR)/llama-cpp-avx2/BUILD
+
+$(PEERS_DIR)/llama-cpp-%/BUILD: | $(STAMP)
+	@test -n "$(PEER_PIP_$(PEER_MODE))" || { echo "no llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl in $(PEER_WHEELS)/$*" >&2; exit 2; }
+	rm -rf $(@D) $(@D).tmp
+	CMAKE_ARGS="$(CMAKE_ARGS_$*)" $(BIN)/pip install --quiet --no-deps --no-cache-dir --target $(@D).tmp \
+		$(PEER_PIP_$(PEER_MODE)) 'diskcache>=5.6.1'
+	echo 'llama-cpp-python $(LLAMA_CPP_VERSION) $(PEER_HOW_$(PEER_MODE))' > $(@D).tmp/BUILD
+	mv $(@D).tmp $(@D)
+
+# The synthetic Llama-3.2-1B-shaped models (bench/synth_model.py; about 2.1 GB, written once, checked by sha256).
+BENCH_HOME := $(or $(DETINFER_HOME),$(HOME)/.cache/detinfer)/bench
+LARGE_MODELS := $(BENCH_HOME)/synthetic-llama-1b-q4_k_m.gguf $(BENCH_HOME)/synthetic-llama-1b-q8_0.gguf
+bench-models: $(STAMP)
+	$(BIN)/python bench/synth_model.py --dir $(BENCH_HOME)
+
+# Both models on both ISAs side by side with llama.cpp, the host-only figures, the 1B-class pass (two runs per figure,
+# about 13 min) and the KV-cache curve; about 60 min on an otherwise idle 2-core machine, plus the peer builds the
+# first time. BENCH_ISA=host skips the AVX2 pass (and its peer).
+BENCH_ISA ?= host,avx2
+comma := ,
+bench: pull $(patsubst %,$(PEERS_DIR)/llama-cpp-%/BUILD,$(subst $(comma), ,$(BENCH_ISA))) bench-models $(VENV)/.bench-installed
 	$(BIN)/detinfer pull gemma3-270m-q4_k_m
-	$(BIN)/detinfer bench --out bench/results.json --markdown docs/benchmarks.md
+	$(BIN)/detinfer bench --isa $(BENCH_ISA) --peer llama-cpp --peers-dir $(PEERS_DIR) \
+		--model smollm2-135m-instruct-q4_1 --model gemma3-270m-q4_k_m $(LARGE_MODELS:%=--large-model %) --large-runs 2 \
+		--out bench/results.json --markdown docs/benchmarks.md
 	$(BIN)/detinfer bench kv --plot docs/kv.png --results bench/results.json --markdown docs/benchmarks.md
 
 # docs/scale.md's table: verify manifests/ and a 50-prompt batch without Ray, on 1 Ray actor x 2 threads and on 2 x 1,
@@ -81,4 +124,4 @@ fuzz: pull
 	$(BIN)/python -m detinfer.fuzz --examples 10000 --report docs/reliability.md
 
 clean:
-	rm -rf $(VENV) .numba-boundscheck .portability run.json
+	rm -rf $(VENV) .numba-boundscheck .portability .bench run.json

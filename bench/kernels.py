@@ -37,12 +37,13 @@ def sweep(mats, ins, outs) -> float:
     return time.perf_counter() - t0
 
 
-def synthetic_rows(kind: str, n_out: int, n_in: int, rng: np.random.Generator) -> np.ndarray:
-    """Raw rows (uint8 [n_out, row_bytes]) of GGML type ``kind``: random bytes with f16 scales in [1e-3, 2e-2)."""
+def synthetic_rows(kind: str, n_out: int, n_in: int, rng: np.random.Generator,
+                   scale: tuple[float, float] = (1e-3, 2e-2)) -> np.ndarray:
+    """Raw rows (uint8 [n_out, row_bytes]) of GGML type ``kind``: random bytes with f16 scales uniform in ``scale``."""
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
     raw = rng.integers(0, 256, (n_out * n_in // block, size), dtype=np.uint8)
     for o in F16_FIELDS[kind]:
-        raw[:, o : o + 2] = rng.uniform(1e-3, 2e-2, raw.shape[0]).astype(np.float16).view(np.uint8).reshape(-1, 2)
+        raw[:, o : o + 2] = rng.uniform(*scale, raw.shape[0]).astype(np.float16).view(np.uint8).reshape(-1, 2)
     return raw.reshape(n_out, -1)
 
 

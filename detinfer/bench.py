@@ -1,18 +1,26 @@
 """The benchmark suite behind ``detinfer bench`` (and ``make bench``).
 
-Per model, at 1 and 2 threads: prefill tok/s of 64, 512 and 2048-token prompts and decode tok/s over 128 tokens,
-for up to three engines measured side by side in separate worker processes, alternating run by run:
+Per model, per instruction set (``--isa``, default ``host,avx2``) and at 1 and 2 threads: prefill tok/s of
+prompts of each ``prefill`` size and decode tok/s over ``decode`` tokens, for up to three engines measured side by
+side in separate worker processes, alternating run by run:
 
-- ``detinfer``: the engine as shipped (the determinism contract);
-- ``detinfer-fastmath``: the same engine with every kernel compiled with fastmath (reductions reassociated,
-  benchmark only; see ``kernels.FASTMATH``), in its own JIT cache: the cost of the contract;
-- ``llama-cpp`` (``--peer llama-cpp``, if llama-cpp-python is importable): the same text, token counts and threads.
+- ``detinfer``: the engine as shipped (the determinism contract). On ``avx2`` its workers compile for numba's
+  ``haswell`` target with no extra features (AVX2 + FMA, AVX-512 off; scripts/portability.py's haswell target),
+  in their own JIT cache (numba's cache key ignores the target);
+- ``detinfer-fastmath`` (suite models, host only): the same engine with every kernel compiled with fastmath
+  (reductions reassociated, benchmark only; see ``kernels.FASTMATH``), in its own JIT cache: the cost of the contract;
+- ``llama-cpp`` (``--peer llama-cpp``): llama-cpp-python built for that ISA (``make bench-peers``: one folder per
+  ISA under ``--peers-dir``, put first on the worker's import path), on the same token ids and threads.
 
-Then peak RSS against GGUF size + KV bytes, cold start (an empty JIT cache) and warm start to the first token of
-``detinfer run``, and the 20-turn session with prefix reuse against recomputation. Every figure is the median of
-``runs`` runs with min and max; the CPU is checked for other busy processes right before each run (2-thread numba
-runs slow down many-fold when a core is taken). Results go to ``bench/results.json`` (:class:`BenchReport`) and a
-markdown table in ``docs/benchmarks.md``. Speed is measured here only, never asserted in tests.
+Every worker reports what it was compiled for (numba's target and a probe of the code it compiles; llama.cpp's
+system info). Suite models (``--model``; cells prefill 64, 512, 2048 and decode 128) also get, on the host, peak
+RSS against GGUF size + KV bytes, cold and warm start to the first token of ``detinfer run`` and the 20-turn
+session with prefix reuse against recomputation. 1B-class models (``--large-model``; prefill 64, 512 and decode
+32, seeded random token ids) get the weight bytes each decoded token streams, set against this machine's read
+bandwidth measured in the same run (:mod:`detinfer.bench_bandwidth`). Every figure is the median of ``runs`` runs
+with min and max; the CPU is checked for other busy processes right before each run (2-thread numba runs slow down
+many-fold when a core is taken). Results go to ``bench/results.json`` and ``docs/benchmarks.md``
+(:mod:`detinfer.bench_report`). Speed is measured here only, never asserted in tests.
 
 ``python -m detinfer.bench worker|session ...`` is the worker side of the suite, not a user command.
 """
@@ -20,163 +28,87 @@ markdown table in ``docs/benchmarks.md``. Speed is measured here only, never ass
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
+import re
 import resource
-import statistics
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
-
+from .bench_report import (
+    BenchReport,
+    EngineRun,
+    IsaRun,
+    KVCurve,
+    ModelReport,
+    SessionFigures,
+    StartTimes,
+    ThreadRun,
+    display_name,
+    load_report,
+    stats,
+    write_report,
+)
 from .errors import DetinferError, InputError
-from .fileio import atomic_write_text, read_json
-from .manifest import canonical_json, cpu_name
+from .manifest import cpu_name
 from .paths import detinfer_home
-from .registry import DEFAULT_MODEL
+from .registry import DEFAULT_MODEL, REGISTRY, resolve_model
 
-SCHEMA_VERSION = 1
-PREFILL_SIZES = (64, 512, 2048)
-DECODE_TOKENS = 128
+SUITE_CELLS = ((64, 512, 2048), 128)  # (prefill sizes, decode tokens) of --model
+LARGE_CELLS = ((64, 512), 32)  # of --large-model: a 1B decode runs at a few tok/s
 DECODE_PROMPT = 16  # tokens prefilled before the timed decode
 THREADS = (1, 2)
 N_CTX = 4096
 DEFAULT_MODELS = (DEFAULT_MODEL, "gemma3-270m-q4_k_m")  # a default model that does not load is skipped, with the reason
 PEERS = ("llama-cpp",)
-MAX_WARNINGS_SHOWN = 12  # in docs/benchmarks.md; the results file keeps them all
+ISAS = ("host", "avx2")
+# what each ISA's detinfer workers run with: host = numba's default target, so any inherited override is removed
+ISA_ENV = {"host": {}, "avx2": {"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": ""}}
+ISA_NEEDS = {"host": (), "avx2": ("avx2", "fma")}  # host CPU features an ISA's code needs
 FASTMATH_ENV = "DETINFER_BENCH_FASTMATH"  # read once by detinfer.kernels
 PROGRESS_MARK = "compiling kernels"  # what the CLI prints while the first forward compiles (checked at cold start)
 TEXT = " ".join(f"item {i}: the quick brown fox jumps over the lazy dog." for i in range(400))
-FIGURES = tuple((f"prefill_{n}_tok_s", "prefill", n) for n in PREFILL_SIZES) + (
-    (f"decode_{DECODE_TOKENS}_tok_s", "decode", DECODE_TOKENS),
-)
-# llama-cpp-python 0.3.36 on SmolLM2 Q4_1 on the project's 2-core machine (docs/determinism.md): the documented
-# reference when the peer cannot run here. Labelled as such wherever it is used.
-REFERENCE_LLAMA_CPP = {
-    DEFAULT_MODEL: {
-        1: {"prefill_64_tok_s": 204, "prefill_512_tok_s": 197, "prefill_2048_tok_s": 160, "decode_128_tok_s": 65},
-        2: {"prefill_64_tok_s": 385, "prefill_512_tok_s": 379, "prefill_2048_tok_s": 304, "decode_128_tok_s": 104},
-    }
-}
-PEER_MISSING = ("--peer llama-cpp needs llama-cpp-python, which is not importable here (pip install llama-cpp-python; "
-                "this platform has no binary wheel, so pip builds llama.cpp from source)")
+RANDOM_IDS_SEED = 0
+PEER_BUILD_FILE = "BUILD"  # written by `make bench-peers` into each peer folder: how it was built
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+def figures(prefill: Sequence[int], decode: int) -> list[tuple[str, str, int]]:
+    """(figure name, worker op, tokens) of each cell: ``prefill_<n>_tok_s`` for each prefill size, ``decode_<n>_tok_s``."""
+    return [(f"prefill_{n}_tok_s", "prefill", n) for n in prefill] + [(f"decode_{decode}_tok_s", "decode", decode)]
 
 
-class Stats(_Strict):
-    """Median, min and max of ``runs`` samples."""
+@dataclass(frozen=True)
+class Options:
+    """What ``detinfer bench`` runs. models: suite models; large_models: 1B-class models (registry names or GGUF
+    paths); large_runs: runs per 1B-class figure (None: ``runs``); prefill / decode: override both kinds' cells (None:
+    SUITE_CELLS / LARGE_CELLS); cells_only: no fastmath arm, start-up or session figures; threads: the thread counts."""
 
-    median: float
-    min: float
-    max: float
-    runs: int
-
-
-class EngineRun(_Strict):
-    """One engine at one thread count: each figure's stats (tok/s) and the worker process's peak RSS."""
-
-    engine: Literal["detinfer", "detinfer-fastmath", "llama-cpp"]
-    figures: dict[str, Stats]
-    peak_rss_mb: float
-
-
-class ThreadRun(_Strict):
-    threads: int
-    engines: list[EngineRun]
-
-
-class StartTimes(_Strict):
-    """Seconds from process start to the end of ``detinfer run --max-tokens 1`` with an empty / a filled JIT cache."""
-
-    cold_s: Stats
-    warm_s: Stats
-    progress_message: bool  # the cold runs printed the compile progress message on stderr
-
-
-class SessionFigures(_Strict):
-    """The 20-turn scripted session with prefix reuse vs recomputing every prefix, and KV snapshot save/load."""
-
-    turns: int
-    history_tokens: int
-    with_reuse_s: Stats
-    no_cache_s: Stats
-    snapshot_tokens: int
-    snapshot_bytes: int
-    snapshot_save_ms: Stats
-    snapshot_load_ms: Stats
-
-
-class ModelReport(_Strict):
-    model: str
-    status: Literal["ok", "skipped"]
-    reason: str | None = None  # why a model was skipped
-    model_file_bytes: int = 0
-    kv_bytes_at_n_ctx: int = 0
-    threads: list[ThreadRun] = []
-    start: StartTimes | None = None
-    session: SessionFigures | None = None
-
-
-class KVTarget(_Strict):
-    """Total time to generate ``tokens`` tokens with the KV cache and with the naive loop, and their ratio."""
-
-    tokens: int
-    cached_s: float
-    naive_s: float
-    naive_kind: Literal["measured", "extrapolated lower bound"]
-    ratio: float  # naive_s / cached_s
-
-
-class KVCurve(_Strict):
-    """``detinfer bench kv``: greedy generation after a short prompt with the KV cache (one forward per token) and
-    with a naive loop that recomputes the whole sequence every step. Step i produces generated token i, at
-    position prompt_tokens + i; step 0 is the prompt's prefill in both arms."""
-
-    date: str
-    model: str
-    threads: int
-    prompt_tokens: int
-    cached_step_s: list[float]
-    naive_step_s: list[float]  # shorter than cached_step_s if the naive arm stopped at its time budget
-    naive_budget_s: float
-    naive_stopped_early: bool
-    tokens_identical: bool  # every token the naive arm produced equals the cached arm's
-    compared_tokens: int
-    first_mismatch: int | None = None  # step of the first differing token
-    separation_step: int | None = None  # from here on the naive arm's cumulative time stays >= 2x the cached arm's
-    targets: list[KVTarget]
-    warnings: list[str] = []
-    plot: str | None = None
-
-
-class BenchReport(_Strict):
-    """``bench/results.json``. ``kv_curve`` is filled in by ``detinfer bench kv`` (:mod:`detinfer.bench_kv`)."""
-
-    schema_version: Literal[1] = SCHEMA_VERSION
-    date: str
-    machine: dict[str, str | int]
-    n_ctx: int
-    runs_per_figure: int
+    models: tuple[str, ...] = DEFAULT_MODELS
+    large_models: tuple[str, ...] = ()
+    isas: tuple[str, ...] = ISAS
+    runs: int = 3
+    large_runs: int | None = None
     peer: str | None = None
-    models: list[ModelReport]
-    warnings: list[str] = []
-    kv_curve: KVCurve | None = None
+    peers_dir: Path = Path(".bench")
+    prefill: tuple[int, ...] | None = None
+    decode: int | None = None
+    cells_only: bool = False
+    threads: tuple[int, ...] = THREADS
 
+    def cells(self, kind: str) -> list[tuple[str, str, int]]:
+        """:func:`figures` of a model of ``kind`` "suite" or "large"."""
+        prefill, decode = SUITE_CELLS if kind == "suite" else LARGE_CELLS
+        return figures(self.prefill or prefill, self.decode or decode)
 
-def stats(samples: list[float], digits: int = 2) -> Stats:
-    """Median, min and max of ``samples`` (at least one)."""
-    r = lambda v: round(v, digits)  # noqa: E731
-    return Stats(median=r(statistics.median(samples)), min=r(min(samples)), max=r(max(samples)), runs=len(samples))
+    def runs_of(self, kind: str) -> int:
+        return self.large_runs if kind == "large" and self.large_runs is not None else self.runs
 
 
 def _cpu_times() -> tuple[int, int]:
@@ -204,33 +136,117 @@ def warm_up(engine) -> None:
     engine.forward([0], cache)
 
 
-def peer_available(peer: str) -> bool:
-    """Whether the peer engine's Python package is importable (llama-cpp-python for "llama-cpp")."""
-    return peer == "llama-cpp" and importlib.util.find_spec("llama_cpp") is not None
+def parse_isas(text: str) -> tuple[str, ...]:
+    """``--isa host,avx2`` -> ("host", "avx2") in the given order, repeats dropped; InputError for an unknown or
+    empty list."""
+    isas = tuple(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    unknown = [x for x in isas if x not in ISAS]
+    if unknown or not isas:
+        raise InputError(f"unknown ISA {unknown[0]!r}; known: {', '.join(ISAS)}" if unknown else "--isa lists no instruction set")
+    return isas
 
 
-def check_options(models: list[str], runs: int, peer: str | None) -> None:
-    """Raise InputError for options the suite cannot run with, before anything is loaded."""
-    if runs < 1:
-        raise InputError(f"--runs must be at least 1, got {runs}")
-    if not models:
+def parse_counts(text: str, option: str) -> tuple[int, ...]:
+    """"64,512" -> (64, 512); InputError naming ``option`` for anything but comma-separated integers."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise InputError(f"{option} takes comma-separated integers, got {text!r}") from None
+
+
+def host_features() -> set[str]:
+    """The host CPU's features as LLVM names them ("avx2", "fma", "avx512f", ...)."""
+    import llvmlite.binding as llvm
+
+    return {f[1:] for f in llvm.get_host_cpu_features().flatten().split(",") if f.startswith("+")}
+
+
+def peer_dir(peers_dir: Path, isa: str) -> Path:
+    """The folder ``make bench-peers`` installs llama-cpp-python for ``isa`` into."""
+    return peers_dir / f"llama-cpp-{isa}"
+
+
+def check_options(opts: Options) -> None:
+    """Raise InputError (or GGUFError for a model path that is not a file) for options the suite cannot run with,
+    before anything is loaded."""
+    if opts.runs < 1:
+        raise InputError(f"--runs must be at least 1, got {opts.runs}")
+    if opts.large_runs is not None and opts.large_runs < 1:
+        raise InputError(f"--large-runs must be at least 1, got {opts.large_runs}")
+    if not opts.threads or min(opts.threads) < 1:
+        raise InputError(f"--threads must be positive thread counts, got {list(opts.threads)}")
+    if not opts.models and not opts.large_models:
         raise InputError("no models to benchmark")
-    if peer is not None and peer not in PEERS:
-        raise InputError(f"unknown peer {peer!r}; known peers: {', '.join(PEERS)}")
-    if peer is not None and not peer_available(peer):
-        raise InputError(PEER_MISSING)
+    if opts.prefill is not None and (not opts.prefill or min(opts.prefill) < 1 or max(opts.prefill) > N_CTX):
+        raise InputError(f"--prefill sizes must be 1..{N_CTX}, got {list(opts.prefill)}")
+    if opts.decode is not None and not 1 <= opts.decode <= N_CTX - DECODE_PROMPT:
+        raise InputError(f"--decode must be 1..{N_CTX - DECODE_PROMPT}, got {opts.decode}")
+    if opts.peer is not None and opts.peer not in PEERS:
+        raise InputError(f"unknown peer {opts.peer!r}; known peers: {', '.join(PEERS)}")
+    for isa in opts.isas:
+        if missing := [f for f in ISA_NEEDS[isa] if f not in host_features()]:
+            raise InputError(f"--isa {isa} needs a CPU with {' and '.join(f.upper() for f in ISA_NEEDS[isa])}; this host has no "
+                             f"{', '.join(f.upper() for f in missing)}")
+    if opts.peer is not None:
+        for isa in opts.isas:
+            if not (peer_dir(opts.peers_dir, isa) / "llama_cpp" / "__init__.py").is_file():
+                raise InputError(f"--peer llama-cpp on {isa} needs llama-cpp-python built for it in "
+                                 f"{peer_dir(opts.peers_dir, isa)}; `make bench-peers` builds one per ISA")
+    for model in opts.models + opts.large_models:
+        if model not in REGISTRY:  # a registry model that is not pulled is skipped later, with the reason
+            resolve_model(model)
+
+
+def random_ids(n_vocab: int, n: int = N_CTX) -> list[int]:
+    """``n`` token ids drawn uniformly from [0, n_vocab), seeded: the 1B-class prompts, the same for every engine."""
+    import numpy as np
+
+    return np.random.default_rng(RANDOM_IDS_SEED).integers(0, n_vocab, n).tolist()
+
+
+def streamed_weight_bytes(model_file) -> int:
+    """Bytes of the weight matrices one decoded token reads, as stored in the GGUF: every 2-D tensor, except
+    token_embd when an output.weight exists (then only the embedding rows looked up are read)."""
+    untied = "output.weight" in model_file.tensors
+    return sum(t.nbytes for name, t in model_file.tensors.items()
+               if len(t.shape) == 2 and not (untied and name == "token_embd.weight"))
+
+
+def compiled_isa() -> str:
+    """What numba compiles for in this process, checked on real code: its target (NUMBA_CPU_NAME/FEATURES) and a
+    probe loop's assembly, searched for FMA instructions (detinfer's explicit ``fma32``) and for AVX-512 (zmm or
+    mask registers, or vcvtuqq2pd, AVX-512DQ's uint64 -> float64 conversion, which LLVM uses whenever it may)."""
+    import numba
+    import numpy as np
+
+    from .machine import machine
+    from .numerics import fma32
+
+    @numba.njit(cache=False)
+    def probe(a, u, out):
+        for i in range(a.size):
+            a[i] = fma32(a[i], a[i], np.float32(1.0))
+        for i in range(u.size):
+            out[i] = np.float64(u[i])
+
+    probe(np.ones(64, np.float32), np.arange(64, dtype=np.uint64), np.empty(64))
+    asm = next(iter(probe.inspect_asm().values()))
+    avx512 = bool(re.search(r"%zmm\d|%k[1-7]\b|vcvtuqq2pd", asm))
+    widest = next(r for r in ("zmm", "ymm", "xmm", "") if f"%{r}" in asm) or "none"
+    return (f"numba target {machine()['compile_target']}; probe: FMA {'yes' if 'vfmadd' in asm else 'no'}, "
+            f"AVX-512 {'yes' if avx512 else 'no'}, widest vector register {widest}")
 
 
 # ---- worker side: one engine in one process, driven by JSON lines on stdin -------------------------------------
 
 
 class _DetinferArm:
-    def __init__(self, model: str, threads: int):
+    def __init__(self, model: str, threads: int, ids: str):
         from .engine import Engine, set_threads
 
         set_threads(threads)
         self.engine = Engine.load(model, n_ctx=N_CTX)
-        self.ids = self.engine.tokenizer.encode(TEXT)
+        self.ids = random_ids(self.engine.config.n_vocab) if ids == "random" else self.engine.tokenizer.encode(TEXT)
         warm_up(self.engine)
 
     def prefill(self, n: int) -> float:
@@ -250,19 +266,18 @@ class _DetinferArm:
     def info(self) -> dict:
         from . import kernels
 
-        return {"model_file_bytes": self.engine.model_file.size, "kv_bytes_at_n_ctx": self.engine.kv_bytes(),
-                "fastmath": kernels.FASTMATH}
+        mf = self.engine.model_file
+        return {"model_file_bytes": mf.size, "kv_bytes_at_n_ctx": self.engine.kv_bytes(), "sha256": mf.sha256,
+                "weight_bytes_per_token": streamed_weight_bytes(mf), "fastmath": kernels.FASTMATH, "flags": compiled_isa()}
 
 
 class _LlamaCppArm:
-    def __init__(self, model: str, threads: int):
+    def __init__(self, model: str, threads: int, ids: str):
         from llama_cpp import Llama
-
-        from .registry import resolve_model
 
         self.llm = Llama(model_path=str(resolve_model(model)), n_ctx=N_CTX, n_threads=threads, n_threads_batch=threads,
                          verbose=False)
-        self.ids = self.llm.tokenize(TEXT.encode("utf-8"), add_bos=False)
+        self.ids = random_ids(self.llm.n_vocab()) if ids == "random" else self.llm.tokenize(TEXT.encode("utf-8"), add_bos=False)
         self.prefill(8)
 
     def _greedy(self) -> int:
@@ -288,15 +303,17 @@ class _LlamaCppArm:
         return time.perf_counter() - t0
 
     def info(self) -> dict:
-        return {}
+        import llama_cpp
+
+        return {"flags": llama_cpp.llama_print_system_info().decode("utf-8", "replace")}
 
 
-def _serve_worker(kind: str, model: str, threads: int) -> int:
-    """Load one engine, then answer {"op": "prefill"|"decode", "n": N} with seconds and {"op": "info"} with sizes
-    and peak RSS, one JSON line each; a model that cannot load answers {"error": ...} once and exits 0."""
+def _serve_worker(kind: str, model: str, threads: int, ids: str, tokens: int) -> int:
+    """Load one engine, then answer {"op": "prefill"|"decode", "n": N} with seconds and {"op": "info"} with sizes,
+    compile flags and peak RSS, one JSON line each; a model that cannot load answers {"error": ...} once and exits 0."""
     try:
-        arm = _LlamaCppArm(model, threads) if kind == "llama-cpp" else _DetinferArm(model, threads)
-        if len(arm.ids) < max(PREFILL_SIZES):
+        arm = _LlamaCppArm(model, threads, ids) if kind == "llama-cpp" else _DetinferArm(model, threads, ids)
+        if len(arm.ids) < tokens:
             raise InputError(f"the benchmark text is only {len(arm.ids)} tokens for {model}")
     except DetinferError as e:
         print(json.dumps({"error": str(e)}), flush=True)
@@ -312,19 +329,38 @@ def _serve_worker(kind: str, model: str, threads: int) -> int:
     return 0
 
 
+def worker_env(kind: str, isa: str, threads: int, peers_dir: Path) -> dict[str, str]:
+    """The environment of a worker of engine ``kind`` on ``isa``: its thread count; for llama.cpp the ISA's peer
+    folder first on PYTHONPATH; for detinfer the ISA's compile target (ISA_ENV) and, for anything but the host's
+    default build, a JIT cache of its own under $DETINFER_HOME/bench (numba's cache key ignores the target and
+    fastmath); the host's default build keeps the inherited cache."""
+    env = dict(os.environ, NUMBA_NUM_THREADS=str(threads))
+    if kind == "llama-cpp":
+        inherited = [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []
+        env["PYTHONPATH"] = os.pathsep.join([str(peer_dir(peers_dir, isa).resolve()), *inherited])
+        return env
+    for key in ("NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES", FASTMATH_ENV):
+        env.pop(key, None)
+    env.update(ISA_ENV[isa])
+    if kind == "detinfer-fastmath":
+        env[FASTMATH_ENV] = "1"
+    cache = "-".join(([] if isa == "host" else [isa]) + (["fastmath"] if kind == "detinfer-fastmath" else []))
+    if cache:
+        env["NUMBA_CACHE_DIR"] = str(detinfer_home() / "bench" / f"numba-{cache}")
+    return env
+
+
 class _Worker:
     """The parent's handle on one worker process."""
 
-    def __init__(self, kind: str, model: str, threads: int):
-        env = dict(os.environ, NUMBA_NUM_THREADS=str(threads))
-        if kind == "detinfer-fastmath":
-            env.update({FASTMATH_ENV: "1", "NUMBA_CACHE_DIR": str(detinfer_home() / "bench" / "numba-fastmath")})
+    def __init__(self, kind: str, model: str, threads: int, isa: str, ids: str, tokens: int, peers_dir: Path):
         self.kind = kind
         self.stderr = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "detinfer.bench", "worker", "--engine", "llama-cpp" if kind == "llama-cpp" else "detinfer",
-             "--model", model, "--threads", str(threads)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True, env=env,
+             "--model", model, "--threads", str(threads), "--ids", ids, "--tokens", str(tokens)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
+            env=worker_env(kind, isa, threads, peers_dir),
         )
         self.ready = self._read()
 
@@ -334,7 +370,9 @@ class _Worker:
                 return json.loads(line)
         self.stderr.seek(0)
         tail = self.stderr.read().strip().splitlines()[-1:] or ["no output"]
-        raise RuntimeError(f"{self.kind} worker exited with code {self.proc.wait()}: {tail[0]}")
+        code = self.proc.wait()
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        raise RuntimeError(f"{self.kind} worker {how}: {tail[0]}")
 
     def ask(self, **cmd) -> dict:
         self.proc.stdin.write(json.dumps(cmd) + "\n")
@@ -354,28 +392,39 @@ class ModelUnavailable(Exception):
     """A model the contract engine cannot load (not downloaded, unsupported architecture...): skipped, with why."""
 
 
-def measure_engines(model: str, threads: int, engines: list[str], runs: int, warn: Callable[[str], None]) -> tuple[list[EngineRun], dict]:
-    """Every figure for each engine at ``threads``, alternating engines run by run. Returns the runs and the
-    contract engine's info (model file and KV bytes). Raises ModelUnavailable if an engine cannot load the model."""
+def measure_engines(model: str, kind: str, isa: str, threads: int, engines: list[str], opts: Options,
+                    warn: Callable[[str], None]) -> tuple[list[EngineRun], dict[str, dict]]:
+    """Every cell of ``kind`` for each engine on ``isa`` at ``threads``, alternating engines run by run. Returns the
+    runs and each engine's info (sizes, compile flags). Raises ModelUnavailable if detinfer cannot load the model;
+    a llama.cpp worker that dies while loading (a crashing build) is left out with a warning."""
+    cells = opts.cells(kind)
+    tokens = max([DECODE_PROMPT] + [n for _, op, n in cells if op == "prefill"])
+    ids = "random" if kind == "large" else "text"
     workers: list[_Worker] = []
     try:
-        for kind in engines:
-            workers.append(_Worker(kind, model, threads))
+        for engine in engines:
+            try:
+                workers.append(_Worker(engine, model, threads, isa, ids, tokens, opts.peers_dir))
+            except RuntimeError as e:
+                if engine != "llama-cpp":
+                    raise
+                warn(f"{display_name(model)}, {isa}, {threads} thread(s): llama.cpp not measured: {e}")
+                continue
             if "error" in workers[-1].ready:
-                raise ModelUnavailable(f"{kind}: {workers[-1].ready['error']}")
-        samples: dict[str, dict[str, list[float]]] = {w.kind: {name: [] for name, _, _ in FIGURES} for w in workers}
-        for name, op, n in FIGURES:
-            for _ in range(runs):
+                raise ModelUnavailable(f"{engine}: {workers[-1].ready['error']}")
+        samples: dict[str, dict[str, list[float]]] = {w.kind: {name: [] for name, _, _ in cells} for w in workers}
+        for name, op, n in cells:
+            for _ in range(opts.runs_of(kind)):
                 for w in workers:
                     if (msg := busy_warning()) is not None:
-                        warn(f"{model}, {threads} thread(s), {w.kind}, {name}: {msg}")
+                        warn(f"{display_name(model)}, {isa}, {threads} thread(s), {w.kind}, {name}: {msg}")
                     samples[w.kind][name].append(n / w.ask(op=op, n=n)["seconds"])
-        infos = [w.ask(op="info") for w in workers]
-        if any(w.kind == "detinfer-fastmath" and not info["fastmath"] for w, info in zip(workers, infos)):
+        infos = {w.kind: w.ask(op="info") for w in workers}
+        if "detinfer-fastmath" in infos and not infos["detinfer-fastmath"]["fastmath"]:
             raise RuntimeError("the fastmath worker did not compile its kernels with fastmath")
-        runs_ = [EngineRun(engine=w.kind, figures={k: stats(v) for k, v in samples[w.kind].items()}, peak_rss_mb=info["peak_rss_mb"])
-                 for w, info in zip(workers, infos)]
-        return runs_, infos[0]
+        runs_ = [EngineRun(engine=w.kind, figures={k: stats(v) for k, v in samples[w.kind].items()},
+                           peak_rss_mb=infos[w.kind]["peak_rss_mb"]) for w in workers]
+        return runs_, infos
     finally:
         for w in workers:
             w.close()
@@ -447,26 +496,40 @@ def session_figures(model: str, threads: int, runs: int) -> SessionFigures:
     )
 
 
-def bench_model(model: str, runs: int, peer: str | None, warn: Callable[[str], None]) -> ModelReport:
-    """The suite for one model (``status="skipped"`` with the reason if it does not load)."""
-    engines = ["detinfer", "detinfer-fastmath"] + ([peer] if peer else [])
-    report = ModelReport(model=model, status="ok")
-    try:
-        report.start = start_times(model, runs, warn)  # first: it fills the JIT cache, so no worker's RSS counts compiling
-    except subprocess.CalledProcessError as e:
-        return ModelReport(model=model, status="skipped", reason=(e.stderr.strip().splitlines() or ["detinfer run failed"])[-1])
-    for threads in THREADS:
+def bench_model(model: str, kind: str, opts: Options, warn: Callable[[str], None]) -> ModelReport:
+    """The suite for one model of ``kind`` "suite" or "large" (``status="skipped"`` with the reason if it does not load)."""
+    extras = kind == "suite" and not opts.cells_only
+    report = ModelReport(model=model, kind=kind, status="ok")
+    if extras:
         try:
-            measured, info = measure_engines(model, threads, engines, runs, warn)
-        except ModelUnavailable as e:
-            return ModelReport(model=model, status="skipped", reason=str(e))
-        report.model_file_bytes, report.kv_bytes_at_n_ctx = info["model_file_bytes"], info["kv_bytes_at_n_ctx"]
-        report.threads.append(ThreadRun(threads=threads, engines=measured))
+            report.start = start_times(model, opts.runs, warn)  # first: it fills the JIT cache, so no worker's RSS counts compiling
+        except subprocess.CalledProcessError as e:
+            return ModelReport(model=model, kind=kind, status="skipped",
+                               reason=(e.stderr.strip().splitlines() or ["detinfer run failed"])[-1])
+    for isa in opts.isas:
+        engines = ["detinfer"] + (["detinfer-fastmath"] if extras and isa == "host" else []) + ([opts.peer] if opts.peer else [])
+        build = peer_dir(opts.peers_dir, isa) / PEER_BUILD_FILE
+        run = IsaRun(isa=isa, detinfer_env=ISA_ENV[isa], flags={},
+                     peer_build=build.read_text().strip() if opts.peer and build.is_file() else None)
+        for threads in opts.threads:
+            try:
+                measured, infos = measure_engines(model, kind, isa, threads, engines, opts, warn)
+            except ModelUnavailable as e:
+                return ModelReport(model=model, kind=kind, status="skipped", reason=str(e))
+            ours = infos["detinfer"]
+            report.sha256, report.model_file_bytes = ours["sha256"], ours["model_file_bytes"]
+            report.kv_bytes_at_n_ctx, report.weight_bytes_per_token = ours["kv_bytes_at_n_ctx"], ours["weight_bytes_per_token"]
+            run.flags |= {e: info["flags"] for e, info in infos.items() if e != "detinfer-fastmath"}
+            run.threads.append(ThreadRun(threads=threads, engines=measured))
+        report.isas.append(run)
+    if not extras:
+        return report
     if (msg := busy_warning()) is not None:
         warn(f"{model}, session: {msg}")
-    proc = subprocess.run([sys.executable, "-m", "detinfer.bench", "session", "--model", model, "--threads", str(max(THREADS)),
-                           "--runs", str(runs)], capture_output=True, text=True, check=False,
-                          env=dict(os.environ, NUMBA_NUM_THREADS=str(max(THREADS))))
+    threads = max(opts.threads)
+    proc = subprocess.run([sys.executable, "-m", "detinfer.bench", "session", "--model", model, "--threads", str(threads),
+                           "--runs", str(opts.runs)], capture_output=True, text=True, check=False,
+                          env=dict(os.environ, NUMBA_NUM_THREADS=str(threads)))
     if proc.returncode != 0:  # reported, without losing the figures already measured
         warn(f"{model}: session benchmark failed: {(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
     else:
@@ -474,56 +537,52 @@ def bench_model(model: str, runs: int, peer: str | None, warn: Callable[[str], N
     return report
 
 
-def run_suite(models: list[str], runs: int, peer: str | None, out: Path, markdown_path: Path,
-              warn: Callable[[str], None], progress: Callable[[str], None]) -> BenchReport:
+def run_suite(opts: Options, out: Path, markdown_path: Path, warn: Callable[[str], None],
+              progress: Callable[[str], None]) -> BenchReport:
     """Benchmark every model, write ``out`` (JSON) and ``markdown_path`` atomically, return the report.
 
-    A model that does not load, or whose benchmark fails, is recorded as skipped with the reason. A previous
-    report's ``kv_curve`` (dated) is kept.
+    With large models, the memory bandwidth is measured first. A model that does not load, or whose benchmark
+    fails, is recorded as skipped with the reason. A previous report's ``kv_curve`` (dated) is kept.
     Raises InputError for bad options (see :func:`check_options`).
     """
-    check_options(models, runs, peer)
+    from .bench_bandwidth import measure_bandwidth
+
+    check_options(opts)
     warnings: list[str] = []
 
     def warn_(msg: str) -> None:
         warnings.append(msg)
         warn(msg)
 
-    if runs < 3:
-        warn_(f"{runs} run(s) per figure: medians of fewer than 3 runs are for smoke tests, not for the published table")
+    if opts.runs < 3:
+        warn_(f"{opts.runs} run(s) per figure: medians of fewer than 3 runs are for smoke tests, not for the published table")
+    bandwidth = []
+    if opts.large_models:
+        progress("measuring memory bandwidth")
+        if (msg := busy_warning()) is not None:
+            warn_(f"bandwidth: {msg}")
+        bandwidth = measure_bandwidth(opts.threads)
     reports = []
-    for model in models:
-        progress(f"benchmarking {model}")
-        try:
-            reports.append(bench_model(model, runs, peer, warn_))
-        except RuntimeError as e:  # a worker that crashed: recorded, and the other models still run
-            reports.append(ModelReport(model=model, status="skipped", reason=f"benchmark failed: {e}"))
-        if reports[-1].status == "skipped":
-            warn_(f"{model} skipped: {reports[-1].reason}")
+    for kind, models in (("suite", opts.models), ("large", opts.large_models)):
+        for model in models:
+            progress(f"benchmarking {model}")
+            try:
+                reports.append(bench_model(model, kind, opts, warn_))
+            except RuntimeError as e:  # a worker that crashed: recorded, and the other models still run
+                reports.append(ModelReport(model=model, kind=kind, status="skipped", reason=f"benchmark failed: {e}"))
+            if reports[-1].status == "skipped":
+                warn_(f"{model} skipped: {reports[-1].reason}")
     try:
         previous = load_report(out) if out.exists() else None
     except InputError:
         previous = None  # a results file of an older schema is replaced whole
     report = BenchReport(
-        date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        machine=_machine(),
-        n_ctx=N_CTX, runs_per_figure=runs, peer=peer, models=reports, warnings=warnings,
-        kv_curve=previous.kv_curve if previous else None,
+        date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), machine=_machine(), n_ctx=N_CTX, runs_per_figure=opts.runs,
+        large_runs_per_figure=opts.runs_of("large") if opts.large_models else 0, peer=opts.peer, isas=list(opts.isas),
+        bandwidth=bandwidth, models=reports, warnings=warnings, kv_curve=previous.kv_curve if previous else None,
     )
     write_report(report, out, markdown_path)
     return report
-
-
-def load_report(path: Path) -> BenchReport:
-    """Read ``bench/results.json``; raises InputError if it is unreadable or not of this schema."""
-    from pydantic import ValidationError
-
-    data = read_json(path, InputError, "benchmark results file")
-    try:
-        return BenchReport.model_validate(data)
-    except ValidationError as e:
-        raise InputError(f"{path} is not a benchmark results file of schema {SCHEMA_VERSION} ({e.errors()[0]['msg']}); "
-                         "regenerate it with `detinfer bench` or pass another path") from None
 
 
 def add_kv_curve(kv: KVCurve, out: Path, markdown_path: Path) -> BenchReport:
@@ -538,156 +597,10 @@ def add_kv_curve(kv: KVCurve, out: Path, markdown_path: Path) -> BenchReport:
 
 
 def _machine() -> dict[str, str | int]:
-    return {"cpu": cpu_name(), "cores": os.cpu_count() or 0, "python": platform.python_version()}
+    from .machine import machine
 
-
-def write_report(report: BenchReport, out: Path, markdown_path: Path) -> None:
-    """Write the report as canonical JSON and as markdown, each atomically."""
-    atomic_write_text(out, canonical_json(report.model_dump()))
-    atomic_write_text(markdown_path, markdown(report, markdown_path.parent))
-
-
-def _fmt(s: Stats) -> str:
-    return f"{s.median:g} ({s.min:g}–{s.max:g})"
-
-
-def _engine(run: ThreadRun, name: str) -> EngineRun | None:
-    return next((e for e in run.engines if e.engine == name), None)
-
-
-def _yes(ok: bool) -> str:
-    return "yes" if ok else "**no**"
-
-
-Floor = tuple[str, str, bool]  # (floor from issue 6, measured value, holds)
-DECODE = f"decode_{DECODE_TOKENS}_tok_s"
-FLOOR_FIGURES = ("prefill_512_tok_s", DECODE)  # the figures the issue's scaling and contract-cost floors name
-PEER_FLOORS = {1: {DECODE: 1.2}, 2: {DECODE: 1.3, "prefill_512_tok_s": 1.0}}  # detinfer / llama.cpp at threads
-
-
-def _label(name: str) -> str:
-    return name.removesuffix("_tok_s").replace("_", " ")
-
-
-def _medians(tr: ThreadRun, engine: str) -> dict[str, float] | None:
-    e = _engine(tr, engine)
-    return None if e is None else {name: e.figures[name].median for name, _, _ in FIGURES}
-
-
-def _ratio_rows(m: ModelReport) -> tuple[list[str], list[Floor]]:
-    """Table rows of thread scaling, cost of the contract and detinfer / llama.cpp (measured, else the reference),
-    and the floors they decide."""
-    names = [name for name, _, _ in FIGURES]
-    times = lambda v: f"{v:.2f}×"  # noqa: E731
-    percent = lambda v: f"{v:+.1%}"  # noqa: E731
-    row = lambda label, t, values, fmt: f"| {label} | {t} | " + " | ".join(fmt(values[n]) for n in names) + " |"  # noqa: E731
-    lines = ["| ratio | threads | " + " | ".join(map(_label, names)) + " |", "|---" * (len(names) + 2) + "|"]
-    floors: list[Floor] = []
-    by_t = {tr.threads: tr for tr in m.threads}
-    if 1 in by_t and 2 in by_t:
-        one, two = _medians(by_t[1], "detinfer"), _medians(by_t[2], "detinfer")
-        scale = {n: two[n] / one[n] for n in names}
-        lines.append(row("thread scaling (2 / 1 thread)", "", scale, times))
-        floors += [(f"2-thread / 1-thread scaling, {_label(n)} ≥ 1.7×", times(scale[n]), scale[n] >= 1.7) for n in FLOOR_FIGURES]
-    for t, tr in by_t.items():
-        contract, fast = _medians(tr, "detinfer"), _medians(tr, "detinfer-fastmath")
-        if fast is not None:
-            cost = {n: fast[n] / contract[n] - 1 for n in names}
-            lines.append(row("cost of the contract (fastmath / contract − 1)", t, cost, percent))
-            floors += [(f"cost of the contract, {_label(n)}, {t} thread(s) ≤ 10%", percent(cost[n]), cost[n] <= 0.10) for n in FLOOR_FIGURES]
-        peer, label, note = _medians(tr, "llama-cpp"), "detinfer / llama.cpp (measured side by side)", ""
-        if peer is None:
-            peer = REFERENCE_LLAMA_CPP.get(m.model, {}).get(t)
-            label, note = "detinfer / llama.cpp **reference** (NUMERICS.md, not measured in this run)", " (reference)"
-        if peer is None:
-            continue
-        ratio = {n: contract[n] / peer[n] for n in names}
-        lines.append(row(label, t, ratio, times))
-        floors += [(f"{_label(n)} at {t} thread(s) ≥ {f}× llama.cpp{note}", times(ratio[n]), ratio[n] >= f)
-                   for n, f in PEER_FLOORS.get(t, {}).items()]
-    return lines, floors
-
-
-def _other_figures(m: ModelReport) -> tuple[list[str], list[Floor]]:
-    """Peak RSS, start times and the session, as bullet lines, and the floors they decide."""
-    rss = max(e.peak_rss_mb for tr in m.threads for e in tr.engines if e.engine == "detinfer")
-    budget = (m.model_file_bytes + m.kv_bytes_at_n_ctx) / 2**20 + 150
-    lines = [f"- Peak RSS (contract engine's worker, after the 2048-token prefill): {rss:g} MB against GGUF "
-             f"{m.model_file_bytes / 2**20:.1f} MB + KV at n_ctx {N_CTX} {m.kv_bytes_at_n_ctx / 2**20:.1f} MB."]
-    floors = [("peak RSS ≤ GGUF + KV bytes + 150 MB", f"{rss:g} MB ≤ {budget:.0f} MB", rss <= budget)]
-    if (s := m.start) is not None:
-        lines.append(f"- Start to first token (`detinfer run --max-tokens 1`, whole process): cold (empty JIT cache) {_fmt(s.cold_s)} s, "
-                     f"warm {_fmt(s.warm_s)} s; progress message while compiling: {'shown' if s.progress_message else 'NOT shown'}.")
-        floors += [("warm start to first token ≤ 1.5 s", f"{s.warm_s.median:g} s", s.warm_s.median <= 1.5),
-                   ("cold start ≤ 30 s with a progress message", f"{s.cold_s.median:g} s", s.cold_s.median <= 30 and s.progress_message)]
-    if (se := m.session) is not None:
-        lines += [f"- {se.turns}-turn session ({se.history_tokens} history tokens): {_fmt(se.with_reuse_s)} s with prefix reuse vs "
-                  f"{_fmt(se.no_cache_s)} s recomputing every prefix: {se.no_cache_s.median / se.with_reuse_s.median:.1f}× (medians).",
-                  f"- KV snapshot of {se.snapshot_tokens} tokens: {se.snapshot_bytes:,} bytes, save {_fmt(se.snapshot_save_ms)} ms, "
-                  f"load {_fmt(se.snapshot_load_ms)} ms."]
-    return lines, floors
-
-
-def _model_markdown(m: ModelReport, runs: int) -> list[str]:
-    """One model's section: the figures table, the ratios, the other figures and the floors."""
-    if m.status == "skipped":
-        return [f"## {m.model}", "", f"Skipped: {m.reason}", ""]
-    names = [name for name, _, _ in FIGURES]
-    lines = [f"## {m.model}", "", f"Median (min–max) of {runs} run(s), tok/s; engines alternate run by run.", "",
-             "| threads | engine | " + " | ".join(map(_label, names)) + " | peak RSS MB |", "|---" * (len(names) + 3) + "|"]
-    lines += [f"| {tr.threads} | {e.engine} | " + " | ".join(_fmt(e.figures[n]) for n in names) + f" | {e.peak_rss_mb:g} |"
-              for tr in m.threads for e in tr.engines]
-    ratio_lines, ratio_floors = _ratio_rows(m)
-    other_lines, other_floors = _other_figures(m)
-    floors = ratio_floors + other_floors
-    return (lines + [""] + ratio_lines + [""] + other_lines
-            + ["", "| floor | measured | holds |", "|---|---|---|"] + [f"| {f} | {v} | {_yes(ok)} |" for f, v, ok in floors] + [""])
-
-
-def kv_markdown(kv: KVCurve, folder: Path) -> list[str]:
-    """The KV-cache curve section of docs/benchmarks.md (written in ``folder``, which the plot's link is relative to)."""
-    lines = ["## KV cache vs recomputing the prefix", "",
-             f"`detinfer bench kv` on {kv.date}: {kv.model}, {kv.threads} thread(s), greedy after a {kv.prompt_tokens}-token prompt. "
-             f"The naive loop recomputes the whole sequence for every token"
-             + (f" and stopped at its {kv.naive_budget_s:g} s budget after {len(kv.naive_step_s)} tokens" if kv.naive_stopped_early else "")
-             + ". Tokens: " + (f"identical in all {kv.compared_tokens} steps compared." if kv.tokens_identical
-                              else f"**differ** from step {kv.first_mismatch} (of {kv.compared_tokens} compared)."), ""]
-    if kv.plot:
-        lines += [f"![time per token and cumulative time against position]({os.path.relpath(kv.plot, folder)})", ""]
-    lines += ["| tokens generated | with KV cache s | naive s | naive is | naive / cached |", "|---|---|---|---|---|"]
-    lines += [f"| {t.tokens} | {t.cached_s:.3g} | {t.naive_s:.4g} | {t.naive_kind} | {t.ratio:.1f}× |" for t in kv.targets]
-    last = kv.targets[-1]
-    lines += ["", f"Floor: cached vs naive at {last.tokens} tokens ≥ 20× less total time: {last.ratio:.1f}× ({last.naive_kind}): "
-              f"{_yes(last.ratio >= 20)}."]
-    if kv.naive_stopped_early:
-        lines.append("An extrapolated lower bound adds, for every step the naive arm did not run, the median time of its last "
-                     "five measured steps: each later step recomputes a longer sequence, so it cannot be faster.")
-    if kv.warnings:
-        lines += [""] + [f"- warning: {w}" for w in kv.warnings]
-    return lines + [""]
-
-
-def markdown(report: BenchReport, folder: Path) -> str:
-    """The report as docs/benchmarks.md in ``folder``: one section per model, the KV-cache curve, warnings."""
-    mc = report.machine
-    lines = ["# Benchmarks", "",
-             f"Generated by `make bench` (`detinfer bench`) on {report.date}: {mc['cpu']}, {mc['cores']} cores, Python {mc['python']}, "
-             f"n_ctx {report.n_ctx}. Figures are measured, never asserted in tests; `detinfer-fastmath` is the same engine "
-             "with fastmath kernels (benchmark only, not deterministic), the reference for the cost of the contract.", ""]
-    if report.peer is None:
-        lines += ["llama.cpp was not run side by side (`--peer llama-cpp` needs llama-cpp-python, which has no binary wheel for "
-                  "this platform); ratios marked **reference** use the llama-cpp-python 0.3.36 figures measured on the same model "
-                  "and machine in NUMERICS.md.", ""]
-    for m in report.models:
-        lines += _model_markdown(m, report.runs_per_figure)
-    if report.kv_curve is not None:
-        lines += kv_markdown(report.kv_curve, folder)
-    if report.warnings:
-        shown = report.warnings[:MAX_WARNINGS_SHOWN]
-        lines += ["## Warnings during the runs", "", f"{len(report.warnings)} warning(s); the figures they name may be low.", ""]
-        lines += [f"- {w}" for w in shown] + ([f"- … and {len(report.warnings) - len(shown)} more in the results file"]
-                                              if len(report.warnings) > len(shown) else []) + [""]
-    return "\n".join(lines)
+    return {"cpu": cpu_name(), "host_cpu_name": machine()["host_cpu_name"], "isa": machine()["isa"],
+            "cores": os.cpu_count() or 0, "python": platform.python_version()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -698,9 +611,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--ids", choices=["text", "random"], default="text")
+    ap.add_argument("--tokens", type=int, default=max(SUITE_CELLS[0]))
     args = ap.parse_args(argv)
     if args.mode == "worker":
-        return _serve_worker(args.engine, args.model, args.threads)
+        return _serve_worker(args.engine, args.model, args.threads, args.ids, args.tokens)
     print(session_figures(args.model, args.threads, args.runs).model_dump_json())
     return 0
 

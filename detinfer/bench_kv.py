@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench import KVCurve, KVTarget, busy_warning, load_report, warm_up
+from .bench import busy_warning, warm_up
+from .bench_report import KVCurve, KVTarget, load_report
 from .engine import Engine
 from .errors import InputError
 from .fileio import atomic_write_bytes

@@ -722,30 +722,52 @@ def _warn(msg: str) -> None:
 @bench_app.callback(invoke_without_command=True)
 def bench(
     cli_ctx: typer.Context,
-    models: Annotated[Optional[list[str]], typer.Option("--model", "-m", help="Model to benchmark (repeatable; default: "
-                                                        "SmolLM2, and gemma3 when it loads).")] = None,
+    models: Annotated[Optional[list[str]], typer.Option("--model", "-m", help="Suite model, a registry name or .gguf path "
+                                                        "(repeatable; default: SmolLM2, and gemma3 when it loads, unless "
+                                                        "--large-model is given).")] = None,
+    large_models: Annotated[Optional[list[str]], typer.Option("--large-model", help="1B-class model (repeatable): prefill 64 "
+                                                              "and 512, decode 32, GB/s against the memory bandwidth.")] = None,
+    isa: Annotated[str, typer.Option("--isa", help="Instruction sets, comma-separated: host (each engine's default) "
+                                     "and avx2 (AVX2 + FMA, AVX-512 off).")] = "host,avx2",
     runs: Annotated[int, typer.Option("--runs", help="Runs per figure (the median, min and max are reported).")] = 3,
+    large_runs: Annotated[Optional[int], typer.Option("--large-runs", help="Runs per 1B-class figure (default: --runs).")] = None,
     peer: Annotated[Optional[str], typer.Option("--peer", help="Also run this engine side by side: llama-cpp "
-                                                "(needs llama-cpp-python).")] = None,
+                                                "(one build per ISA, see --peers-dir).")] = None,
+    peers_dir: Annotated[Path, typer.Option("--peers-dir", help="Where `make bench-peers` put llama-cpp-python, one "
+                                            "llama-cpp-<isa> folder per ISA.")] = Path(".bench"),
+    threads: Annotated[str, typer.Option("--threads", help="Thread counts, comma-separated.")] = "1,2",
+    prefill: Annotated[Optional[str], typer.Option("--prefill", help="Prefill sizes, comma-separated, for every model "
+                                                   "(default: 64,512,2048; 1B-class 64,512).")] = None,
+    decode: Annotated[Optional[int], typer.Option("--decode", help="Decoded tokens per run for every model (default: "
+                                                  "128; 1B-class 32).")] = None,
+    cells_only: Annotated[bool, typer.Option("--cells-only", help="Only the prefill/decode cells: no fastmath arm, "
+                                             "start-up or session figures.")] = False,
     out_path: Annotated[Path, typer.Option("--out", "-o", help="Results (JSON).")] = Path("bench/results.json"),
-    markdown: Annotated[Path, typer.Option("--markdown", help="Markdown table.")] = Path("docs/benchmarks.md"),
+    markdown: Annotated[Path, typer.Option("--markdown", help="Markdown tables.")] = Path("docs/benchmarks.md"),
 ) -> None:
-    """The standard suite: prefill and decode tok/s at 1 and 2 threads, contract vs fastmath (and llama.cpp), RSS,
-    cold/warm start, prefix reuse. Takes minutes; use an otherwise idle machine."""
+    """The standard suite: prefill and decode tok/s per ISA at 1 and 2 threads, detinfer vs llama.cpp (and fastmath),
+    1B-class GB/s against the memory bandwidth, RSS, cold/warm start, prefix reuse. Takes minutes; use an otherwise
+    idle machine."""
     if cli_ctx.invoked_subcommand is not None:
         return
-    from .bench import DEFAULT_MODELS, FIGURES, run_suite
+    from .bench import DEFAULT_MODELS, Options, parse_counts, parse_isas, run_suite
+    from .bench_report import display_name, figure_label
 
     try:
-        report = run_suite(models or list(DEFAULT_MODELS), runs, peer, out_path, markdown, warn=_warn,
-                           progress=lambda msg: err.print(f"[dim]{escape(msg)}[/]"))
+        opts = Options(models=tuple(models or (() if large_models else DEFAULT_MODELS)), large_models=tuple(large_models or ()),
+                       isas=parse_isas(isa), runs=runs, large_runs=large_runs, peer=peer, peers_dir=peers_dir,
+                       threads=parse_counts(threads, "--threads"), decode=decode, cells_only=cells_only,
+                       prefill=parse_counts(prefill, "--prefill") if prefill is not None else None)
+        report = run_suite(opts, out_path, markdown, warn=_warn, progress=lambda msg: err.print(f"[dim]{escape(msg)}[/]"))
     except DetinferError as e:
         _fail(e)
-    table = Table("model", "threads", "engine", "prefill 64", "prefill 512", "prefill 2048", "decode 128", title="tok/s (medians)")
+    table = Table("model", "ISA", "threads", "engine", "tok/s (medians)")
     for m in report.models:
-        for tr in m.threads:
-            for e in tr.engines:
-                table.add_row(escape(m.model), str(tr.threads), e.engine, *(f"{e.figures[name].median:g}" for name, _, _ in FIGURES))
+        for run in m.isas:
+            for tr in run.threads:
+                for e in tr.engines:
+                    cells = ", ".join(f"{figure_label(name)} {s.median:g}" for name, s in e.figures.items())
+                    table.add_row(escape(display_name(m.model)), run.isa, str(tr.threads), e.engine, cells)
     out.print(table)
     out.print(f"wrote {escape(str(out_path))} and {escape(str(markdown))}")
 

@@ -34,6 +34,16 @@ def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
     a regular file (symbolic link, device, FIFO, directory...) is never replaced, and a folder that cannot be made
     or written is reported: InputError, one line.
     """
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        yield f
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """:func:`atomic_writer` for a library that opens its output by name (gguf-py's ``GGUFWriter``): yields the path
+    of an empty temp file in ``path``'s folder to write; on a clean exit that file is fsynced and renamed over
+    ``path``. Same guarantees and errors as :func:`atomic_writer`.
+    """
     path = Path(path)
     if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
         raise InputError(f"{path} is {_kind(os.lstat(path).st_mode)}; detinfer writes only regular files or new paths")
@@ -44,10 +54,13 @@ def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
         raise InputError(f"cannot write {path}: {e.strerror or e}") from None
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp creates 0600; give the file the mode open() would
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
+        os.close(fd)
+        yield Path(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

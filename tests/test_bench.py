@@ -1,47 +1,119 @@
-"""The benchmark tooling: option errors, the KV arms' token check, the results schema, the plot file. No timings are
-asserted (speed is measured by ``make bench`` only)."""
+"""The benchmark tooling: option errors, worker environments per ISA, the synthetic 1B-class writer (at a tiny shape),
+the KV arms' token check, the results schema and its markdown, the plot file. No timings are asserted (speed is
+measured by ``make bench`` only); nothing here needs llama-cpp-python."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from cli_helpers import cli
 from gguf_factory import write_tiny_gguf
 
-from detinfer import bench, bench_kv
-from detinfer.bench import BenchReport, EngineRun, KVCurve, ModelReport, SessionFigures, StartTimes, ThreadRun, stats
+from detinfer import bench, bench_kv, bench_report
+from detinfer.bench_bandwidth import measure_bandwidth
 from detinfer.bench_kv import context_for, first_mismatch, kv_curve, plot_kv, separation_step, target_totals
+from detinfer.bench_report import (
+    BandwidthRun,
+    BenchReport,
+    EngineRun,
+    IsaRun,
+    KVCurve,
+    ModelReport,
+    SessionFigures,
+    StartTimes,
+    ThreadRun,
+    stats,
+)
 from detinfer.engine import Engine
 from detinfer.errors import InputError
+from detinfer.gguf_file import ModelFile
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))  # bench/synth_model.py is a script next to bench/kernels.py, which it imports
+import synth_model  # noqa: E402
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
         (["bench", "--runs", "0"], "--runs must be at least 1"),
+        (["bench", "--large-runs", "0"], "--large-runs must be at least 1"),
         (["bench", "--peer", "vllm"], "unknown peer 'vllm'"),
+        (["bench", "--isa", "host,sse9"], "unknown ISA 'sse9'; known: host, avx2"),
+        (["bench", "--isa", ","], "--isa lists no instruction set"),
+        (["bench", "--threads", "0"], "--threads must be positive"),
+        (["bench", "--threads", "two"], "--threads takes comma-separated integers"),
+        (["bench", "--prefill", "64,0"], "--prefill sizes must be 1..4096"),
+        (["bench", "--decode", "0"], "--decode must be 1..4080"),
+        (["bench", "--model", "{missing}"], "does not exist"),
+        (["bench", "--large-model", "{missing}"], "does not exist"),
         (["bench", "kv", "--tokens", "0"], "--tokens must be positive"),
         (["bench", "kv", "--naive-budget", "0"], "--naive-budget must be positive"),
-        (["bench", "kv", "--results", "{old}"], "is not a benchmark results file of schema 1"),
+        (["bench", "kv", "--results", "{old}"], "is not a benchmark results file of schema 2"),
     ],
 )
 def test_bench_rejects_bad_options_before_loading(tmp_path, args, message):
     old = tmp_path / "old-results.json"
     old.write_text(json.dumps({"runs": []}))  # an earlier format
-    result = cli(tmp_path, *[a.format(old=old) for a in args])
+    result = cli(tmp_path, *[a.format(old=old, missing=tmp_path / "missing.gguf") for a in args])
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1
 
 
-def test_peer_without_llama_cpp_python_is_one_line(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench, "peer_available", lambda peer: False)
-    result = cli(tmp_path, "bench", "--peer", "llama-cpp")
+def test_peer_without_its_build_is_one_line(tmp_path):
+    result = cli(tmp_path, "bench", "--peer", "llama-cpp", "--isa", "host", "--peers-dir", tmp_path / "peers")
     assert result.exit_code == 2
-    assert "llama-cpp-python" in result.output and len(result.output.strip().splitlines()) == 1
+    assert f"llama-cpp-python built for it in {tmp_path / 'peers' / 'llama-cpp-host'}" in result.output
+    assert "make bench-peers" in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_avx2_on_a_host_without_it_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "host_features", lambda: {"sse2", "sse4.2"})
+    result = cli(tmp_path, "bench", "--isa", "avx2")
+    assert result.exit_code == 2
+    assert "--isa avx2 needs a CPU with AVX2 and FMA; this host has no AVX2, FMA" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_isa_list_keeps_order_and_drops_repeats():
+    assert bench.parse_isas("avx2, host,avx2") == ("avx2", "host")
+    assert bench.parse_isas("host") == ("host",)
+
+
+def test_worker_environments_per_isa(tmp_path, monkeypatch):
+    monkeypatch.setenv("DETINFER_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("NUMBA_CPU_NAME", "generic")  # inherited: the host ISA must not keep it
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    monkeypatch.setenv("NUMBA_CACHE_DIR", "/usual/cache")
+    peers = tmp_path / "peers"
+    avx2 = bench.worker_env("detinfer", "avx2", 2, peers)
+    assert (avx2["NUMBA_CPU_NAME"], avx2["NUMBA_CPU_FEATURES"], avx2["NUMBA_NUM_THREADS"]) == ("haswell", "", "2")
+    assert avx2["NUMBA_CACHE_DIR"] == str(tmp_path / "home" / "bench" / "numba-avx2")
+    assert bench.FASTMATH_ENV not in avx2
+    host = bench.worker_env("detinfer", "host", 1, peers)
+    assert "NUMBA_CPU_NAME" not in host and "NUMBA_CPU_FEATURES" not in host and host["NUMBA_CACHE_DIR"] == "/usual/cache"
+    fast = bench.worker_env("detinfer-fastmath", "host", 1, peers)
+    assert fast[bench.FASTMATH_ENV] == "1" and fast["NUMBA_CACHE_DIR"].endswith("numba-fastmath")
+    peer = bench.worker_env("llama-cpp", "avx2", 1, peers)
+    assert peer["PYTHONPATH"].split(os.pathsep) == [str((peers / "llama-cpp-avx2").resolve()), "/elsewhere"]
+
+
+def test_numba_haswell_target_compiles_without_avx512():
+    """The avx2 workers' environment really turns AVX-512 off (a bare NUMBA_CPU_NAME=haswell keeps the host's
+    features, AVX-512 included, on an AVX-512 host), and keeps FMA."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")} | bench.ISA_ENV["avx2"]
+    code = "from detinfer.bench import compiled_isa; print(compiled_isa())"
+    flags = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert "numba target haswell features=''" in flags and "FMA yes" in flags and "AVX-512 no" in flags, flags
 
 
 def test_plot_without_matplotlib_is_one_line(tmp_path, monkeypatch):
@@ -126,49 +198,137 @@ def _kv(plot: str | None = None) -> KVCurve:
                    separation_step=1, targets=[target_totals(8, steps, [0.01, 0.02, 0.04])], plot=plot)
 
 
+def _run(engine: str, figures: dict[str, float]) -> EngineRun:
+    return EngineRun(engine=engine, figures={n: stats([v, v, v]) for n, v in figures.items()}, peak_rss_mb=300.0)
+
+
+def _isa(isa: str, engines: dict[int, dict[str, dict[str, float]]]) -> IsaRun:
+    flags = {"detinfer": f"numba target {isa}; probe: FMA yes", "llama-cpp": f"CPU : {isa.upper()} = 1 |"}
+    return IsaRun(isa=isa, detinfer_env=bench.ISA_ENV[isa], flags=flags, peer_build=f"llama-cpp-python built for {isa}",
+                  threads=[ThreadRun(threads=t, engines=[_run(e, f) for e, f in by_engine.items()]) for t, by_engine in engines.items()])
+
+
 def _report() -> BenchReport:
+    """A small fake report: SmolLM2 on host (with fastmath) and avx2, a 1B-class model, a skipped model."""
     s = stats([1.0, 2.0, 3.0])
-    figures = {name: s for name, _, _ in bench.FIGURES}
-    runs = [ThreadRun(threads=t, engines=[EngineRun(engine=e, figures=figures, peak_rss_mb=300.0)
-                                          for e in ("detinfer", "detinfer-fastmath")]) for t in bench.THREADS]
+    names = [name for name, _, _ in bench.figures(*bench.SUITE_CELLS)]
+    cell = lambda v: dict.fromkeys(names, v)  # noqa: E731
+    host = _isa("host", {1: {"detinfer": cell(2.0), "detinfer-fastmath": cell(1.0), "llama-cpp": cell(1.0)},
+                         2: {"detinfer": cell(2.0), "detinfer-fastmath": cell(1.0), "llama-cpp": cell(2.0)}})
+    avx2 = _isa("avx2", {t: {"detinfer": cell(3.0), "llama-cpp": cell(2.0)} for t in bench.THREADS})
     ok = ModelReport(model=bench.DEFAULT_MODEL, status="ok", model_file_bytes=98_362_432, kv_bytes_at_n_ctx=188_743_680,
-                     threads=runs, start=StartTimes(cold_s=s, warm_s=s, progress_message=True),
+                     isas=[host, avx2], start=StartTimes(cold_s=s, warm_s=s, progress_message=True),
                      session=SessionFigures(turns=20, history_tokens=565, with_reuse_s=s, no_cache_s=s, snapshot_tokens=1000,
                                             snapshot_bytes=46_084_768, snapshot_save_ms=s, snapshot_load_ms=s))
+    large_cells = {"prefill_64_tok_s": 30.0, "decode_32_tok_s": 8.0}
+    large = ModelReport(model="/home/x/synthetic-llama-1b-q4_k_m.gguf", kind="large", status="ok", sha256="ab" * 32,
+                        model_file_bytes=803_330_272, weight_bytes_per_token=10**9,
+                        isas=[_isa("host", {t: {"detinfer": large_cells, "llama-cpp": {"prefill_64_tok_s": 60.0, "decode_32_tok_s": 5.0}}
+                                            for t in bench.THREADS})])
     skipped = ModelReport(model="gemma3-270m-q4_k_m", status="skipped", reason="unknown model")
-    return BenchReport(date="d", machine={"cpu": "cpu", "cores": 2, "python": "3"}, n_ctx=bench.N_CTX, runs_per_figure=3,
-                       models=[ok, skipped], warnings=["1.0 cores busy"], kv_curve=_kv("kv.png"))
+    bandwidth = [BandwidthRun(threads=t, array_bytes=2**30, read_gb_s=stats([10.0 * t]), copy_gb_s=stats([9.0])) for t in bench.THREADS]
+    return BenchReport(date="d", machine={"cpu": "cpu", "cores": 2, "python": "3", "isa": "fma,avx2"}, n_ctx=bench.N_CTX,
+                       runs_per_figure=3, large_runs_per_figure=2, peer="llama-cpp", isas=["host", "avx2"], bandwidth=bandwidth,
+                       models=[ok, skipped, large], warnings=["1.0 cores busy"], kv_curve=_kv("kv.png"))
 
 
 def test_results_schema_round_trip_and_markdown(tmp_path):
     report = _report()
     out, md = tmp_path / "bench" / "results.json", tmp_path / "docs" / "benchmarks.md"
-    bench.write_report(report, out, md)
-    assert bench.load_report(out) == report
+    bench_report.write_report(report, out, md)
+    assert bench_report.load_report(out) == report
     data = json.loads(out.read_text())
-    assert data["schema_version"] == 1 and set(data["models"][0]["threads"][0]["engines"][0]["figures"]) == {
+    assert data["schema_version"] == 2 and set(data["models"][0]["isas"][0]["threads"][0]["engines"][0]["figures"]) == {
         "prefill_64_tok_s", "prefill_512_tok_s", "prefill_2048_tok_s", "decode_128_tok_s"}
     text = md.read_text()
-    for needle in ("cost of the contract", "**reference** (NUMERICS.md", "thread scaling", "Skipped: unknown model",
-                   "extrapolated lower bound", "![time per token", "| floor | measured | holds |"):
-        assert needle in text
+    for needle in ("cost of the contract", "thread scaling", "Skipped: unknown model", "extrapolated lower bound",
+                   "![time per token", "| floor | measured | holds |",
+                   # how each engine was built per ISA
+                   "- **avx2**: detinfer with NUMBA_CPU_NAME='haswell' NUMBA_CPU_FEATURES='', in its own JIT cache; "
+                   "compiled code: numba target avx2; probe: FMA yes.",
+                   "llama.cpp: llama-cpp-python built for avx2; `llama_print_system_info()`: `CPU : AVX2 = 1 |`.",
+                   # one side-by-side table per ISA, ratio and floor per cell
+                   "## detinfer vs llama.cpp: host", "## detinfer vs llama.cpp: avx2",
+                   "| smollm2-135m-instruct-q4_1 | 1 | decode 128 | 2 (2–2) | 1 (1–1) | 2.00× | yes |",
+                   "| smollm2-135m-instruct-q4_1 | 2 | decode 128 | 2 (2–2) | 2 (2–2) | 1.00× | **no** |",
+                   "Floor detinfer / llama.cpp ≥ 1.1× per cell: holds in 4 of 8 cells.",
+                   "| smollm2-135m-instruct-q4_1 | 2 | prefill 2048 | 3 (3–3) | 2 (2–2) | 1.50× | yes |",
+                   # the 1B-class table: GB/s of weights per decode cell against the read bandwidth
+                   "- synthetic-llama-1b-q4_k_m.gguf: 1.000 GB of weight matrices streamed per decoded token",
+                   "- Read bandwidth at 2 thread(s): 20 GB/s", "Median (min–max) of 2 run(s), tok/s, token ids fed directly",
+                   "| synthetic-llama-1b-q4_k_m.gguf | host | 1 | decode 32 | 8 (8–8) | 5 (5–5) | 1.60× | yes | 8.00 | 80% | yes |",
+                   "| synthetic-llama-1b-q4_k_m.gguf | host | 2 | decode 32 | 8 (8–8) | 5 (5–5) | 1.60× | yes | 8.00 | 40% | **no** |",
+                   "| synthetic-llama-1b-q4_k_m.gguf | host | 1 | prefill 64 | 30 (30–30) | 60 (60–60) | 0.50× | **no** | – | – | – |"):
+        assert needle in text, needle
 
 
-@pytest.mark.parametrize("change", [{"extra": 1}, {"schema_version": 2}])
+@pytest.mark.parametrize("change", [{"extra": 1}, {"schema_version": 1}])
 def test_results_of_another_schema_are_refused(tmp_path, change):
     path = tmp_path / "results.json"
     path.write_text(json.dumps(_report().model_dump() | change))
     with pytest.raises(InputError, match="not a benchmark results file"):
-        bench.load_report(path)
+        bench_report.load_report(path)
 
 
 def test_kv_curve_is_added_to_existing_results(tmp_path):
     out, md = tmp_path / "results.json", tmp_path / "benchmarks.md"
-    bench.write_report(_report().model_copy(update={"kv_curve": None}), out, md)
+    bench_report.write_report(_report().model_copy(update={"kv_curve": None}), out, md)
     bench.add_kv_curve(_kv(), out, md)
-    report = bench.load_report(out)
-    assert report.kv_curve == _kv() and len(report.models) == 2
+    report = bench_report.load_report(out)
+    assert report.kv_curve == _kv() and len(report.models) == 3
     assert "KV cache vs recomputing" in md.read_text()
+
+
+def test_bandwidth_is_measured_per_thread_count():
+    runs = measure_bandwidth((1, 2), array_bytes=1 << 20, runs=2)
+    assert [(b.threads, b.array_bytes, b.read_gb_s.runs) for b in runs] == [(1, 1 << 20, 2), (2, 1 << 20, 2)]
+    assert all(b.read_gb_s.min > 0 and b.copy_gb_s.min > 0 for b in runs)
+
+
+TINY = synth_model.Shape(n_layer=2, n_embd=256, n_ff=512, n_head=4, n_head_kv=2, head_dim=64, n_vocab=1024, n_ctx_train=256)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("mix", synth_model.MIXES)
+def test_synthetic_model_loads_runs_and_is_reproducible(tmp_path, mix):
+    path = tmp_path / "a.gguf"
+    assert synth_model.write_model(path, mix, seed=3, shape=TINY)
+    engine = Engine.load(path, n_ctx=64)
+    cfg = engine.config
+    assert (cfg.arch, cfg.n_layer, cfg.n_embd, cfg.n_ff, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_vocab) == (
+        "llama", 2, 256, 512, 4, 2, 64, 1024)
+    assert cfg.tied_embeddings and cfg.rope_freq_base == 500000.0
+    logits = engine.forward(bench.random_ids(cfg.n_vocab, 12), engine.new_cache())
+    assert np.isfinite(logits).all() and logits.std() > 0
+    assert engine.tokenizer.encode("hi there")  # the vocabulary builds and tokenizes
+    mf = ModelFile(path)
+    matrices = [t for t in mf.tensors.values() if len(t.shape) == 2]
+    assert bench.streamed_weight_bytes(mf) == sum(t.nbytes for t in matrices)  # tied: token_embd is the output
+    mtime = path.stat().st_mtime_ns
+    assert not synth_model.write_model(path, mix, seed=3, shape=TINY)  # up to date: not written again
+    assert path.stat().st_mtime_ns == mtime
+    again, other = tmp_path / "b.gguf", tmp_path / "c.gguf"
+    synth_model.write_model(again, mix, seed=3, shape=TINY)
+    synth_model.write_model(other, mix, seed=4, shape=TINY)
+    assert _sha256(again) == _sha256(path) != _sha256(other)
+    path.write_bytes(path.read_bytes()[:-1] + b"x")  # a damaged file no longer matches its record: rewritten
+    assert synth_model.write_model(path, mix, seed=3, shape=TINY) and _sha256(path) == _sha256(again)
+
+
+def test_synthetic_q4_k_m_mix_is_llama_cpps():
+    plan = synth_model.tensor_plan("q4_k_m", synth_model.LLAMA_1B)
+    six = {int(n.split(".")[1]) for n, (_, kind) in plan.items() if kind == "Q6_K" and n.endswith("attn_v.weight")}
+    assert six == {0, 1, 4, 7, 10, 13, 14, 15}
+    assert {n for n, (_, kind) in plan.items() if kind == "Q6_K"} == (
+        {f"blk.{i}.{t}.weight" for i in six for t in ("attn_v", "ffn_down")} | {"token_embd.weight"})
+    assert plan["token_embd.weight"] == ((128256, 2048), "Q6_K") and "output.weight" not in plan
+    assert plan["blk.0.ffn_down.weight"] == ((2048, 8192), "Q6_K") and plan["blk.2.attn_k.weight"] == ((512, 2048), "Q4_K")
+    q8 = synth_model.tensor_plan("q8_0", synth_model.LLAMA_1B)
+    assert {kind for dims, kind in q8.values() if len(dims) == 2} == {"Q8_0"}
+    assert {kind for dims, kind in q8.values() if len(dims) == 1} == {"F32"}
 
 
 def test_plot_is_written_atomically(tmp_path, monkeypatch):
