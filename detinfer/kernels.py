@@ -618,11 +618,19 @@ def attention(q, k_cache, v_cache, pos0, n_head, scale, lut, out, window=0):
         n = p + 1 - lo
         qt = q[t]
         s = np.zeros(n, np.float32)
-        for dd in range(hd):
-            qd = qt[h * hd + dd]
-            krow = k_cache[g, dd]
+        dd = 0
+        while dd + 4 <= hd:  # four dimensions per pass over the scores, each still added in turn
+            q0, q1, q2, q3 = qt[h * hd + dd], qt[h * hd + dd + 1], qt[h * hd + dd + 2], qt[h * hd + dd + 3]
+            k0, k1 = k_cache[g, dd, lo:], k_cache[g, dd + 1, lo:]
+            k2, k3 = k_cache[g, dd + 2, lo:], k_cache[g, dd + 3, lo:]
             for i in range(n):
-                s[i] += qd * kv_load(krow, lo + i, lut)
+                s[i] = (((s[i] + q0 * kv_load(k0, i, lut)) + q1 * kv_load(k1, i, lut)) + q2 * kv_load(k2, i, lut)) + q3 * kv_load(k3, i, lut)
+            dd += 4
+        for d in range(dd, hd):
+            qd = qt[h * hd + d]
+            krow = k_cache[g, d, lo:]
+            for i in range(n):
+                s[i] += qd * kv_load(krow, i, lut)
         mx = np.float32(-np.inf)
         for i in range(n):
             s[i] = s[i] * scale
@@ -633,11 +641,18 @@ def attention(q, k_cache, v_cache, pos0, n_head, scale, lut, out, window=0):
         for i in range(n):
             z += s[i]
         acc = np.zeros(hd, np.float32)
-        for i in range(n):
-            e = s[i]
-            vrow = v_cache[g, lo + i]
-            for dd in range(hd):
-                acc[dd] += e * kv_load(vrow, dd, lut)
+        i = 0
+        while i + 4 <= n:  # four positions per pass over the head's dimensions, each still added in turn
+            e0, e1, e2, e3 = s[i], s[i + 1], s[i + 2], s[i + 3]
+            v0, v1, v2, v3 = v_cache[g, lo + i], v_cache[g, lo + i + 1], v_cache[g, lo + i + 2], v_cache[g, lo + i + 3]
+            for d in range(hd):
+                acc[d] = (((acc[d] + e0 * kv_load(v0, d, lut)) + e1 * kv_load(v1, d, lut)) + e2 * kv_load(v2, d, lut)) + e3 * kv_load(v3, d, lut)
+            i += 4
+        for j in range(i, n):
+            e = s[j]
+            vrow = v_cache[g, lo + j]
+            for d in range(hd):
+                acc[d] += e * kv_load(vrow, d, lut)
         ot = out[t]
         for dd in range(hd):
             ot[h * hd + dd] = acc[dd] / z
