@@ -70,12 +70,14 @@ $(VENV)/.bench-installed: $(STAMP)
 # would reuse the first one's binary. A folder is complete once its BUILD file (how it was built) exists; a killed
 # build leaves only $(PEERS_DIR)/*.tmp, removed by the next run. Building from the sdist takes about 15 min per ISA
 # on 2 cores; PEER_WHEELS=DIR installs DIR/host/ and DIR/avx2/ llama_cpp_python wheels built with the same CMAKE_ARGS.
-# On an AMX CPU the native build's AMX path (ggml_backend_amx_mul_mat) segfaulted on this project's Xeon VM (llama.cpp
-# issue 20824): the bench then records llama.cpp on host as not measured, with a warning, and keeps everything else.
+# The native build's AMX path (ggml_backend_amx_mul_mat) segfaulted on this project's Xeon VM (llama.cpp issue 20824), so
+# the host peer is built native with AMX compiled out (-mno-amx-*): every other extension of the host (AVX-512, VNNI,
+# BF16) stays on. Should a peer still crash, the bench records it as not measured, with a warning, and keeps the rest.
 LLAMA_CPP_VERSION := 0.3.36
 PEERS_DIR := .bench
 PEER_WHEELS ?=
-CMAKE_ARGS_host := -DGGML_NATIVE=ON
+CMAKE_ARGS_host := -DGGML_NATIVE=ON -DCMAKE_C_FLAGS=-mno-amx-tile\ -mno-amx-int8\ -mno-amx-bf16 \
+	-DCMAKE_CXX_FLAGS=-mno-amx-tile\ -mno-amx-int8\ -mno-amx-bf16
 CMAKE_ARGS_avx2 := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF \
 	-DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF \
 	-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
