@@ -50,8 +50,6 @@ ROWS = 64  # output rows per repacked group. The kernels index quants as block[j
 # compile-time trip count would make LLVM unroll the row loop into scalar code instead of vectorizing it.
 QK = 32  # elements per block in Q4_0, Q4_1, Q8_0 (GGUF spec)
 PREFETCH_BLOCKS = 2  # how many blocks ahead the weight stream is prefetched
-TILE = 4  # tokens per register tile in prefill (_tile_partials writes exactly four)
-HALF = ROWS // 2
 
 
 @intrinsic
@@ -222,63 +220,6 @@ def block_sums(x, xsum):
             st[b] = acc
 
 
-@njit(cache=True)
-def _tile_partials(cf, x, b, t, n, xt, part):
-    """The four partial sums of block ``b`` for tokens t .. t+TILE-1 (fewer at the end of x) and rows 0 .. n-1:
-    part[(k*TILE + u)*ROWS + r] = c_k of token t+u, row r, in the order of :func:`matmul_nibbles`
-    (c_k = fma(q_e, x_e, c_k) over e = 8k .. 8k+7 in increasing e, from +0).
-
-    cf: float32 [32*ROWS], the block's codes as floats, cf[e*ROWS + r]; x: float32 [T, n_in]; xt: float32
-    [TILE*32] scratch; part: float32 [4*TILE*ROWS] (output). Returns the number of tokens of the tile. Each code
-    vector is loaded once for TILE tokens, and only one partial sum per (token, row) is live at a time, so the
-    TILE x (rows in flight) accumulators stay in registers.
-    """
-    u_n = min(TILE, x.shape[0] - t)
-    for u in range(TILE):
-        xu = xt[u * QK : (u + 1) * QK]
-        if u < u_n:
-            src = x[t + u, b * QK : b * QK + QK]
-            for e in range(QK):
-                xu[e] = src[e]
-        else:
-            for e in range(QK):
-                xu[e] = np.float32(0.0)
-    h = min(n, HALF)  # rows r and r + HALF together, two code vectors per broadcast x (rows >= n: zero codes)
-    for k in range(4):  # slices with constant offsets inside: one base pointer each, so the row loop vectorizes
-        ck = cf[8 * k * ROWS : (8 * k + 8) * ROWS]
-        pk = part[k * TILE * ROWS : (k + 1) * TILE * ROWS]
-        xk = xt[8 * k :]
-        for r in range(h):
-            a0 = np.float32(0.0)
-            a1 = np.float32(0.0)
-            a2 = np.float32(0.0)
-            a3 = np.float32(0.0)
-            b0 = np.float32(0.0)
-            b1 = np.float32(0.0)
-            b2 = np.float32(0.0)
-            b3 = np.float32(0.0)
-            for j in range(8):
-                q = ck[j * ROWS + r]
-                p = ck[j * ROWS + HALF + r]
-                a0 = fma32(q, xk[j], a0)
-                a1 = fma32(q, xk[QK + j], a1)
-                a2 = fma32(q, xk[2 * QK + j], a2)
-                a3 = fma32(q, xk[3 * QK + j], a3)
-                b0 = fma32(p, xk[j], b0)
-                b1 = fma32(p, xk[QK + j], b1)
-                b2 = fma32(p, xk[2 * QK + j], b2)
-                b3 = fma32(p, xk[3 * QK + j], b3)
-            pk[r] = a0
-            pk[ROWS + r] = a1
-            pk[2 * ROWS + r] = a2
-            pk[3 * ROWS + r] = a3
-            pk[HALF + r] = b0
-            pk[ROWS + HALF + r] = b1
-            pk[2 * ROWS + HALF + r] = b2
-            pk[3 * ROWS + HALF + r] = b3
-    return u_n
-
-
 @njit(cache=True, parallel=True)
 def matmul_nibbles(qs, qh, d, m, x, xsum, out):
     """out[T, n_out] = x @ W.T for weights stored as nibbles (plus high bits): Q4_0, Q4_1, Q4_K, Q5_1, Q5_K,
@@ -336,35 +277,64 @@ def matmul_nibbles(qs, qh, d, m, x, xsum, out):
                         c3 = fma32(f3, xb[24 + j], c3)
                     o[r] = _block_step(o[r], db, mb, r, c0, c1, c2, c3, xs)
             continue
-        # Chunk: the block's codes are converted to float32 once (cf), then every token runs its order from them.
+        # Chunk: accumulators acc[t*ROWS + r] and the pair's activations xt[u*32 + e] live in local buffers, so
+        # the vectorized row loop touches few distinct arrays (LLVM gives up above a few runtime alias checks).
         acc = np.zeros(T * ROWS, np.float32)
-        cf = np.zeros(QK * ROWS, np.float32)  # rows >= n stay zero (_tile_partials computes them too)
-        part = np.empty(4 * TILE * ROWS, np.float32)
-        xt = np.empty(TILE * QK, np.float32)
+        xt = np.empty(2 * QK, np.float32)
         for b in range(nb):
             _prefetch_rows(qg, b + PREFETCH_BLOCKS)
             _prefetch_rows(hg, b + PREFETCH_BLOCKS)
             _prefetch_rows(dg, b + PREFETCH_BLOCKS)
             _prefetch_rows(mg, b + PREFETCH_BLOCKS)
             qb, hb, db, mb = qg[b], _sub(hg, b), dg[b], _sub(mg, b)
-            for r in range(n):
-                for j in range(8):
-                    f0, f1, f2, f3 = _codes(qb, hb, mb, r, j)
-                    cf[j * ROWS + r] = f0
-                    cf[(8 + j) * ROWS + r] = f1
-                    cf[(16 + j) * ROWS + r] = f2
-                    cf[(24 + j) * ROWS + r] = f3
-            for t in range(0, T, TILE):
-                u_n = _tile_partials(cf, x, b, t, n, xt, part)
-                for u in range(u_n):
-                    at = acc[(t + u) * ROWS : (t + u + 1) * ROWS]
-                    xs = xsum[t + u, b]
-                    p0 = part[u * ROWS : (u + 1) * ROWS]
-                    p1 = part[(TILE + u) * ROWS : (TILE + u + 1) * ROWS]
-                    p2 = part[(2 * TILE + u) * ROWS : (2 * TILE + u + 1) * ROWS]
-                    p3 = part[(3 * TILE + u) * ROWS : (3 * TILE + u + 1) * ROWS]
-                    for r in range(n):
-                        at[r] = _block_step(at[r], db, mb, r, p0[r], p1[r], p2[r], p3[r], xs)
+            t = 0
+            while t + 2 <= T:
+                xa = x[t, b * QK : b * QK + QK]
+                xn = x[t + 1, b * QK : b * QK + QK]
+                for e in range(QK):
+                    xt[e] = xa[e]
+                    xt[QK + e] = xn[e]
+                sa = xsum[t, b]
+                sn = xsum[t + 1, b]
+                at = acc[t * ROWS : t * ROWS + 2 * ROWS]
+                for r in range(n):
+                    a0 = np.float32(0.0)
+                    a1 = np.float32(0.0)
+                    a2 = np.float32(0.0)
+                    a3 = np.float32(0.0)
+                    n0 = np.float32(0.0)
+                    n1 = np.float32(0.0)
+                    n2 = np.float32(0.0)
+                    n3 = np.float32(0.0)
+                    for j in range(8):
+                        f0, f1, f2, f3 = _codes(qb, hb, mb, r, j)
+                        a0 = fma32(f0, xt[j], a0)
+                        a1 = fma32(f1, xt[8 + j], a1)
+                        a2 = fma32(f2, xt[16 + j], a2)
+                        a3 = fma32(f3, xt[24 + j], a3)
+                        n0 = fma32(f0, xt[QK + j], n0)
+                        n1 = fma32(f1, xt[QK + 8 + j], n1)
+                        n2 = fma32(f2, xt[QK + 16 + j], n2)
+                        n3 = fma32(f3, xt[QK + 24 + j], n3)
+                    at[r] = _block_step(at[r], db, mb, r, a0, a1, a2, a3, sa)
+                    at[ROWS + r] = _block_step(at[ROWS + r], db, mb, r, n0, n1, n2, n3, sn)
+                t += 2
+            if t < T:  # odd chunk: the last token alone
+                xa = x[t, b * QK : b * QK + QK]
+                sa = xsum[t, b]
+                at = acc[t * ROWS : t * ROWS + ROWS]
+                for r in range(n):
+                    a0 = np.float32(0.0)
+                    a1 = np.float32(0.0)
+                    a2 = np.float32(0.0)
+                    a3 = np.float32(0.0)
+                    for j in range(8):
+                        f0, f1, f2, f3 = _codes(qb, hb, mb, r, j)
+                        a0 = fma32(f0, xa[j], a0)
+                        a1 = fma32(f1, xa[8 + j], a1)
+                        a2 = fma32(f2, xa[16 + j], a2)
+                        a3 = fma32(f3, xa[24 + j], a3)
+                    at[r] = _block_step(at[r], db, mb, r, a0, a1, a2, a3, sa)
         for t in range(T):
             o = out[t, row0 : row0 + n]
             at = acc[t * ROWS : t * ROWS + ROWS]
@@ -393,13 +363,13 @@ def matmul_q8_0(qs, d, x, out):
             o = out[t, row0 : row0 + n]
             for r in range(n):
                 o[r] = np.float32(0.0)
-        if T == 1:
-            o = out[0, row0 : row0 + n]
-            for b in range(nb):
-                _prefetch_rows(qg, b + PREFETCH_BLOCKS)
-                _prefetch_rows(dg, b + PREFETCH_BLOCKS)
-                qb, db = qg[b], dg[b]
-                xb = x[0, b * QK : b * QK + QK]
+        for b in range(nb):
+            _prefetch_rows(qg, b + PREFETCH_BLOCKS)
+            _prefetch_rows(dg, b + PREFETCH_BLOCKS)
+            qb, db = qg[b], dg[b]
+            for t in range(T):
+                xb = x[t, b * QK : b * QK + QK]
+                o = out[t, row0 : row0 + n]
                 for r in range(n):
                     c0 = np.float32(0.0)
                     c1 = np.float32(0.0)
@@ -411,29 +381,6 @@ def matmul_q8_0(qs, d, x, out):
                         c2 = fma32(np.float32(qb[(16 + j) * ROWS + r]), xb[16 + j], c2)
                         c3 = fma32(np.float32(qb[(24 + j) * ROWS + r]), xb[24 + j], c3)
                     o[r] = fma32(db[r], (c0 + c1) + (c2 + c3), o[r])
-            continue
-        cf = np.zeros(QK * ROWS, np.float32)  # chunk: codes as float32 once per block, as in matmul_nibbles
-        part = np.empty(4 * TILE * ROWS, np.float32)
-        xt = np.empty(TILE * QK, np.float32)
-        for b in range(nb):
-            _prefetch_rows(qg, b + PREFETCH_BLOCKS)
-            _prefetch_rows(dg, b + PREFETCH_BLOCKS)
-            qb, db = qg[b], dg[b]
-            for e in range(QK):
-                ce = cf[e * ROWS : (e + 1) * ROWS]
-                qe = qb[e * ROWS : (e + 1) * ROWS]
-                for r in range(n):
-                    ce[r] = np.float32(qe[r])
-            for t in range(0, T, TILE):
-                u_n = _tile_partials(cf, x, b, t, n, xt, part)
-                for u in range(u_n):
-                    o = out[t + u, row0 : row0 + n]
-                    p0 = part[u * ROWS : (u + 1) * ROWS]
-                    p1 = part[(TILE + u) * ROWS : (TILE + u + 1) * ROWS]
-                    p2 = part[(2 * TILE + u) * ROWS : (2 * TILE + u + 1) * ROWS]
-                    p3 = part[(3 * TILE + u) * ROWS : (3 * TILE + u + 1) * ROWS]
-                    for r in range(n):
-                        o[r] = fma32(db[r], (p0[r] + p1[r]) + (p2[r] + p3[r]), o[r])
 
 
 @njit(cache=True, parallel=True)
