@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= Give me three tips for staying healthy.
 
-.PHONY: run test test-boundscheck verify bench bench-peers bench-models scale fuzz manifests golden-update install pull clean portability portability-full
+.PHONY: run test test-boundscheck verify bench profile bench-peers bench-models scale fuzz manifests golden-update install pull clean portability portability-full
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -115,6 +115,16 @@ bench: pull $(patsubst %,$(PEERS_DIR)/llama-cpp-%/BUILD,$(subst $(comma), ,$(BEN
 		--model smollm2-135m-instruct-q4_1 --model gemma3-270m-q4_k_m $(LARGE_MODELS:%=--large-model %) --large-runs 2 \
 		--out bench/results.json --markdown docs/benchmarks.md
 	$(BIN)/detinfer bench kv --plot docs/kv.png --results bench/results.json --markdown docs/benchmarks.md
+	$(MAKE) profile
+
+# Where the time goes (bench/profile.py): every kernel call of a real prefill of 512 tokens and 64 decode steps, both
+# models at 1 and 2 threads, as a section of docs/benchmarks.md beside PROFILE_BEFORE (the same run on the commit this
+# issue started from); about 5 min on an otherwise idle 2-core machine.
+PROFILE_BEFORE ?= bench/profile-b4c2d52.json
+profile: pull
+	$(BIN)/detinfer pull gemma3-270m-q4_k_m
+	$(BIN)/python bench/profile.py --out bench/profile.json --markdown docs/benchmarks.md \
+		$(if $(wildcard $(PROFILE_BEFORE)),--before $(PROFILE_BEFORE)) --label "$$(git describe --always --dirty 2>/dev/null || echo this tree)"
 
 # docs/scale.md's table: verify manifests/ and a 50-prompt batch without Ray, on 1 Ray actor x 2 threads and on 2 x 1,
 # plus Ray's overhead per item (bench/scale.json); about 10 min on an otherwise idle 2-core machine.

@@ -1,7 +1,7 @@
 """Where the forward pass spends its time: every kernel call of a real forward, timed and grouped by kind.
 
 Usage: python bench/profile.py [--model NAME|PATH ...] [--threads 1,2] [--prefill 512] [--decode 64] [--reps 3]
-[--out bench/profile.json] [--markdown docs/profile.md] [--label TEXT]
+[--out bench/profile.json] [--markdown docs/benchmarks.md] [--label TEXT] [--before EARLIER.json]
 
 For each model and thread count: one prefill of ``--prefill`` tokens and ``--decode`` single-token decode steps,
 ``--reps`` times (the fastest repetition is kept, per phase). Every numba kernel the engine calls (matmuls by GGML
@@ -28,6 +28,7 @@ from numba import njit
 from detinfer import engine as engine_mod
 from detinfer import kernels
 from detinfer.engine import Engine, set_threads
+from detinfer.bench_report import PROFILE_BEGIN, PROFILE_END, kept_section
 from detinfer.fileio import atomic_write_text
 from detinfer.machine import describe, machine
 from detinfer.weights import QMatrix
@@ -123,26 +124,32 @@ def phase(eng: Engine, profile: Profile, ids: list[int], n_prefill: int, n_decod
     return best
 
 
-def markdown(report: dict) -> str:
-    lines = [f"# Profile: {report['label']}", "",
+def markdown(report: dict, before: dict | None = None) -> str:
+    """The profile as markdown; with ``before`` (an earlier report of the same models), its ms/token side by side."""
+    lines = [f"## Profile: {report['label']}", "",
              f"`python bench/profile.py` on {report['when']}: {report['machine']}. ms per token (prefill: the whole "
              f"prompt's time divided by its tokens), fastest of {report['reps']} repetitions; a kernel's figure "
-             f"includes its numba dispatch. Dispatch: {report['dispatch_us']:.2f} µs per kernel call (a no-op kernel "
-             "with seven array arguments).", ""]
+             f"includes its numba dispatch, {report['dispatch_us']:.2f} µs per kernel call (a no-op kernel with seven "
+             "array arguments)." + (f" *Before*: {before['label']} ({before['when']})." if before else ""), ""]
+    old_runs = {(r["model"], r["threads"]): r for r in (before or {}).get("runs", [])}
     for run in report["runs"]:
+        old = old_runs.get((run["model"], run["threads"]))
         for name in ("prefill", "decode"):
             p = run[name]
+            q = old[name] if old else None
             calls = sum(g["calls_per_token"] for g in p["groups"].values())
             total = 1e3 / p["tok_s"]
-            lines += [f"## {run['model']}, {run['threads']} thread(s), {name} of {p['tokens']} tokens: "
-                      f"{p['tok_s']:.1f} tok/s, {total:.3f} ms/token", "",
-                      "| part | ms/token | share | calls/token |", "|---|---|---|---|"]
+            head = f"### {run['model']}, {run['threads']} thread(s), {name} of {p['tokens']} tokens: {p['tok_s']:.1f} tok/s"
+            lines += [head + (f" (before: {q['tok_s']:.1f})" if q else ""), "",
+                      "| part | " + ("before ms/token | " if q else "") + "ms/token | share | calls/token |",
+                      "|---|" + ("---|" if q else "") + "---|---|---|"]
             for g, v in p["groups"].items():
-                lines.append(f"| {g} | {v['ms_per_token']:.4f} | {100 * v['ms_per_token'] / total:.1f}% | "
+                was = f"{q['groups'][g]['ms_per_token']:.4f} | " if q and g in q["groups"] else ("– | " if q else "")
+                lines.append(f"| {g} | {was}{v['ms_per_token']:.4f} | {100 * v['ms_per_token'] / total:.1f}% | "
                              f"{v['calls_per_token']:.1f} |")
             disp = calls * report["dispatch_us"] / 1e3
-            lines += [f"| *of which numba dispatch* ({calls:.1f} calls × {report['dispatch_us']:.2f} µs) | {disp:.4f} | "
-                      f"{100 * disp / total:.1f}% | |", ""]
+            lines += [f"| *of which numba dispatch* ({calls:.1f} calls × {report['dispatch_us']:.2f} µs) | " + ("| " if q else "")
+                      + f"{disp:.4f} | {100 * disp / total:.1f}% | |", ""]
     return "\n".join(lines) + "\n"
 
 
@@ -156,6 +163,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--markdown", type=Path)
     ap.add_argument("--label", default="the forward pass by kernel")
+    ap.add_argument("--before", type=Path, help="an earlier --out file, shown side by side")
     args = ap.parse_args()
     runs = []
     for model in args.model or ["smollm2-135m-instruct-q4_1", "gemma3-270m-q4_k_m"]:
@@ -176,9 +184,12 @@ def main() -> None:
               "dispatch_us": 1e6 * dispatch_seconds(), "runs": runs}
     if args.out:
         atomic_write_text(args.out, json.dumps(report, indent=1) + "\n")
-    text = markdown(report)
-    if args.markdown:
-        atomic_write_text(args.markdown, text)
+    text = markdown(report, json.loads(args.before.read_text()) if args.before else None)
+    if args.markdown:  # its own section of the file (docs/benchmarks.md keeps it when `detinfer bench` rewrites the rest)
+        old = args.markdown.read_text(encoding="utf-8") if args.markdown.exists() else ""
+        section = kept_section(args.markdown)
+        body = old.replace(section, "").rstrip("\n") if section else old.rstrip("\n")
+        atomic_write_text(args.markdown, (body + "\n\n" if body else "") + f"{PROFILE_BEGIN}\n{text}{PROFILE_END}\n")
     print(text)
 
 

@@ -308,6 +308,19 @@ class _LlamaCppArm:
         return {"flags": llama_cpp.llama_print_system_info().decode("utf-8", "replace")}
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident set in MB (2**20 bytes): VmHWM of /proc/self/status, which starts anew at exec.
+    Linux keeps ru_maxrss across fork and exec, so a worker of the bench (whose parent held 2 GiB of bandwidth
+    arrays) reported its parent's peak; ru_maxrss remains the fallback where /proc is missing."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
 def _serve_worker(kind: str, model: str, threads: int, ids: str, tokens: int) -> int:
     """Load one engine, then answer {"op": "prefill"|"decode", "n": N} with seconds and {"op": "info"} with sizes,
     compile flags and peak RSS, one JSON line each; a model that cannot load answers {"error": ...} once and exits 0."""
@@ -322,7 +335,7 @@ def _serve_worker(kind: str, model: str, threads: int, ids: str, tokens: int) ->
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "info":
-            reply = arm.info() | {"peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+            reply = arm.info() | {"peak_rss_mb": peak_rss_mb()}
         else:
             reply = {"seconds": getattr(arm, cmd["op"])(cmd["n"])}
         print(json.dumps(reply), flush=True)

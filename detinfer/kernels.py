@@ -43,7 +43,9 @@ FASTMATH = os.environ.get("DETINFER_BENCH_FASTMATH") == "1"
 if FASTMATH:
     if not os.environ.get("NUMBA_CACHE_DIR"):  # numba's cache key ignores flags: never share the default cache
         raise RuntimeError("DETINFER_BENCH_FASTMATH=1 needs its own NUMBA_CACHE_DIR (numba's cache ignores fastmath)")
-    njit = functools.partial(njit, fastmath=True)
+    # Every flag but nnan/ninf: those let LLVM drop the zero-divisor checks' NaN cases (a NaN norm then raised
+    # ZeroDivisionError in the Gemma 3 decode); what the contract forbids is reassociation and contraction.
+    njit = functools.partial(njit, fastmath={"reassoc", "contract", "arcp", "nsz", "afn"})
 
 ROWS = 64  # output rows per repacked group. The kernels index quants as block[j * ROWS + r] with this
 # compile-time constant (one base pointer, constant offsets) but loop over rows with a runtime trip count: a
