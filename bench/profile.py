@@ -2,6 +2,7 @@
 
 Usage: python bench/profile.py [--model NAME|PATH ...] [--threads 1,2] [--prefill 512] [--decode 64] [--reps 3]
 [--out bench/profile.json] [--markdown docs/benchmarks.md] [--label TEXT] [--before EARLIER.json]
+[--render EARLIER.json]
 
 For each model and thread count: one prefill of ``--prefill`` tokens and ``--decode`` single-token decode steps,
 ``--reps`` times (the fastest repetition is kept, per phase). Every numba kernel the engine calls (matmuls by GGML
@@ -153,18 +154,8 @@ def markdown(report: dict, before: dict | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", action="append")
-    ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--prefill", type=int, default=512)
-    ap.add_argument("--decode", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--out", type=Path)
-    ap.add_argument("--markdown", type=Path)
-    ap.add_argument("--label", default="the forward pass by kernel")
-    ap.add_argument("--before", type=Path, help="an earlier --out file, shown side by side")
-    args = ap.parse_args()
+def measure(args: argparse.Namespace) -> dict:
+    """Profile every model at every thread count of ``args``; the report as bench/profile.json holds it."""
     runs = []
     for model in args.model or ["smollm2-135m-instruct-q4_1", "gemma3-270m-q4_k_m"]:
         eng = Engine.load(model)
@@ -179,10 +170,25 @@ def main() -> None:
             result = phase(eng, profile, ids, args.prefill, args.decode, args.reps)
             runs.append({"model": model, "threads": th} | result)
             print(f"{model} {th} thread(s): prefill {result['prefill']['tok_s']:.1f} tok/s, decode {result['decode']['tok_s']:.1f} tok/s", flush=True)
-    report = {"label": args.label, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "reps": args.reps,
-              "machine": describe(machine()),
-              "dispatch_us": 1e6 * dispatch_seconds(), "runs": runs}
-    if args.out:
+    return {"label": args.label, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "reps": args.reps,
+            "machine": describe(machine()), "dispatch_us": 1e6 * dispatch_seconds(), "runs": runs}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", action="append")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--markdown", type=Path)
+    ap.add_argument("--label", default="the forward pass by kernel")
+    ap.add_argument("--before", type=Path, help="an earlier --out file, shown side by side")
+    ap.add_argument("--render", type=Path, help="render this earlier --out file instead of measuring")
+    args = ap.parse_args()
+    report = json.loads(args.render.read_text()) if args.render else measure(args)
+    if args.out and not args.render:
         atomic_write_text(args.out, json.dumps(report, indent=1) + "\n")
     text = markdown(report, json.loads(args.before.read_text()) if args.before else None)
     if args.markdown:  # its own section of the file (docs/benchmarks.md keeps it when `detinfer bench` rewrites the rest)
