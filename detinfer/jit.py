@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 
 WIDE = "-prefer-256-bit"
+WIDE_FEATURES = "," + WIDE  # how configure()'s features end
 
 
 def configure() -> None:
@@ -33,6 +34,6 @@ def target_features_note(features: str | None) -> str:
     :func:`configure`'s, else the user's features string."""
     if features is None:
         return ""
-    if features.endswith("," + WIDE):
+    if features.endswith(WIDE_FEATURES):
         return " (512-bit vectors)"
     return f" features={features!r}"
