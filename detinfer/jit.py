@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 
 WIDE = "-prefer-256-bit"
-WIDE_FEATURES = "," + WIDE  # how configure()'s features end
+WIDE_NOTE = " (512-bit vectors)"  # how machine records configure()'s target
 
 
 def configure() -> None:
@@ -34,6 +34,6 @@ def target_features_note(features: str | None) -> str:
     :func:`configure`'s, else the user's features string."""
     if features is None:
         return ""
-    if features.endswith(WIDE_FEATURES):
-        return " (512-bit vectors)"
+    if features.endswith("," + WIDE):
+        return WIDE_NOTE
     return f" features={features!r}"

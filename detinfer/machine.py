@@ -7,7 +7,7 @@ import functools
 import platform
 import sys
 
-from .jit import WIDE_FEATURES, target_features_note
+from .jit import WIDE_NOTE, target_features_note
 from .manifest import cpu_name
 
 FEATURES = ("fma", "avx2", "avx512f", "neon", "asimd")  # the ISA features a compile target could use for floats
@@ -56,7 +56,7 @@ def short(m: dict[str, str] | None) -> str:
     The host's own target with 512-bit vectors is the host's default build (detinfer.jit): no arrow."""
     if not m:
         return "-"
-    target = m.get("compile_target", "").removesuffix(target_features_note(WIDE_FEATURES))
+    target = m.get("compile_target", "").removesuffix(WIDE_NOTE)
     return f"{m.get('host_cpu_name', '?')} {m.get('arch', '')}" + (f" -> {target}" if target != m.get("host_cpu_name") else "")
 
 
