@@ -19,9 +19,8 @@ import numba
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from detinfer import kernels
 from detinfer.engine import Engine
-from detinfer.weights import QMatrix
+from detinfer.weights import Activations, QMatrix
 
 # Byte offsets of the f16 scale fields in each block (ggml-common.h), set to sane values in synthetic weights:
 # random bytes there would give NaN, inf and subnormal scales, and subnormal arithmetic is slower.
@@ -56,7 +55,7 @@ def per_kind(kinds: list[str], shapes: list[tuple[int, int]], threads: list[int]
             if n_in % GGML_QUANT_SIZES[GGMLQuantizationType[kind]][0]:
                 continue
             one = QMatrix.from_raw(kind, GGMLQuantizationType[kind], synthetic_rows(kind, n_out, n_in, rng), n_in)
-            mats[kind] = [one] + [QMatrix(kind, one.ggml_type, n_out, n_in, one.kind, tuple(None if a is None else a.copy() for a in one.arrays))
+            mats[kind] = [one] + [QMatrix(kind, one.ggml_type, n_out, n_in, one.kind, tuple(a.copy() if isinstance(a, np.ndarray) else a for a in one.arrays))
                                   for _ in range(max(0, stream_mb * 2**20 // one.nbytes - 1))]
         for th in threads:
             if th > numba.config.NUMBA_NUM_THREADS:
@@ -64,9 +63,7 @@ def per_kind(kinds: list[str], shapes: list[tuple[int, int]], threads: list[int]
             numba.set_num_threads(th)
             for T in tokens:
                 x = rng.standard_normal((T, n_in)).astype(np.float32)
-                xs = np.empty((T, n_in // kernels.QK), np.float32)
-                kernels.block_sums(x, xs)
-                ins = {n_in: (x, xs)}
+                ins = {n_in: (x, Activations.of(x))}
                 outs = [np.empty((T, n_out), np.float32)]
                 best = dict.fromkeys(mats, np.inf)
                 for ms in mats.values():
@@ -105,9 +102,7 @@ def main() -> None:
             ins = {}
             for n_in in {m.n_in for m in layer_mats + [w.output]}:
                 x = rng.standard_normal((T, n_in)).astype(np.float32)
-                xs = np.empty((T, n_in // kernels.QK), np.float32)
-                kernels.block_sums(x, xs)
-                ins[n_in] = (x, xs)
+                ins[n_in] = (x, Activations.of(x))
             louts = [np.empty((T, m.n_out), np.float32) for m in layer_mats]
             oout = [np.empty((T, w.output.n_out), np.float32)]
             best_l = min(sweep(layer_mats, ins, louts) for _ in range(a.reps))

@@ -6,7 +6,7 @@ Usage: python bench/profile.py [--model NAME|PATH ...] [--threads 1,2] [--prefil
 
 For each model and thread count: one prefill of ``--prefill`` tokens and ``--decode`` single-token decode steps,
 ``--reps`` times (the fastest repetition is kept, per phase). Every numba kernel the engine calls (matmuls by GGML
-type, attention, norms, RoPE, activations, KV writes, block sums, additions, the embedding row) is wrapped in a
+type, attention, norms, RoPE, activations, KV writes, activation codes, additions, the embedding row) is wrapped in a
 timer at the Python level, so a kernel's figure includes numba's dispatch of that call; "Python between kernels"
 is the rest of the wall time (the engine's loop, slicing, buffer look-ups). "dispatch" is the number of kernel
 calls times the measured cost of calling a kernel that does nothing with as many array arguments (numba's
@@ -37,7 +37,7 @@ from detinfer.weights import QMatrix
 TEXT = " ".join(f"item {i}: the quick brown fox jumps over the lazy dog." for i in range(400))
 KERNEL_GROUPS = {
     "attention": "attention", "rmsnorm": "norms", "rmsnorm_heads": "norms", "rope_norm": "RoPE", "rope_neox": "RoPE",
-    "swiglu": "activation", "geglu": "activation", "kv_write": "KV write", "block_sums": "block sums",
+    "swiglu": "activation", "geglu": "activation", "kv_write": "KV write", "quantize_blocks": "activation codes",
     "add_inplace": "add / bias", "add_bias": "add / bias",
 }
 
@@ -69,10 +69,10 @@ def install(profile: Profile, eng: Engine) -> None:
     eng._ffn_act = profile.timed("activation", eng._ffn_act)
     call = QMatrix.__call__
 
-    def matmul(self, x, xsum, out):
+    def matmul(self, x, xq, out):
         key = f"matmul {self.ggml_type.name}" + (" (output)" if self.name in ("output.weight", "token_embd.weight") else "")
         t0 = time.perf_counter()
-        call(self, x, xsum, out)
+        call(self, x, xq, out)
         profile.seconds[key] += time.perf_counter() - t0
         profile.calls[key] += 1
 

@@ -24,7 +24,7 @@ from .kvcache import KVCache, check_kv_fits, kv_bytes_per_number, parse_kv_type
 from .quants import dequantize_row
 from .registry import resolve_model
 from .tokenizer import Tokenizer
-from .weights import Weights
+from .weights import Activations, Weights
 
 DEFAULT_N_CTX = 4096
 DEFAULT_CHUNK = 64  # prefill tokens per forward chunk: any value gives the same bytes
@@ -49,7 +49,9 @@ class _Scratch:
 
     x: np.ndarray  # [T, n_embd] residual stream
     xn: np.ndarray  # [T, n_embd] normalized
-    xsum: np.ndarray  # [T, max(n_embd, n_ff) // 32] block sums of the current matmul input
+    xq: np.ndarray  # int8 [T, max(n_embd, n_ff, q_width)]: 8-bit codes of the current matmul input
+    dx: np.ndarray  # float32 [T, max(...) // 32]: their block scales
+    sx: np.ndarray  # int32 [T, max(...) // 16]: their half-block sums
     qkv: np.ndarray  # [T, q_width + 2 kv_width]
     attn: np.ndarray  # [T, q_width]
     proj: np.ndarray  # [T, n_embd]
@@ -109,10 +111,13 @@ class Engine:
             cfg = self.config
             qw = cfg.n_head * cfg.head_dim
             f = np.float32
+            n_in = max(cfg.n_embd, cfg.n_ff, qw)
             self._scratch[T] = _Scratch(
                 x=np.empty((T, cfg.n_embd), f),
                 xn=np.empty((T, cfg.n_embd), f),
-                xsum=np.empty((T, max(cfg.n_embd, cfg.n_ff, qw) // kernels.QK), f),
+                xq=np.empty((T, n_in), np.int8),
+                dx=np.empty((T, n_in // kernels.QK), f),
+                sx=np.empty((T, 2 * n_in // kernels.QK), np.int32),
                 qkv=np.empty((T, qw + 2 * cfg.kv_width), f),
                 attn=np.empty((T, qw), f),
                 proj=np.empty((T, cfg.n_embd), f),
@@ -120,6 +125,14 @@ class Engine:
                 ffn=np.empty((T, cfg.n_ff), f),
             )
         return self._scratch[T]
+
+    @staticmethod
+    def _codes(s: _Scratch, x: np.ndarray, rows: slice = slice(None)) -> Activations:
+        """The 8-bit block codes of a matmul input x (float32 [T', n]; rows: which scratch rows it fills)."""
+        nb = x.shape[1] // kernels.QK
+        a = Activations(s.xq[rows, : x.shape[1]], s.dx[rows, :nb], s.sx[rows, : 2 * nb])
+        kernels.quantize_blocks(x, *a)
+        return a
 
     def forward(
         self, tokens: Sequence[int], cache: KVCache, *, all_logits: bool = False, chunk_size: int = DEFAULT_CHUNK
@@ -168,11 +181,9 @@ class Engine:
             dequantize_row(int(w.token_embd_type), w.token_embd[ids[t]], s.x[t])
         if self._embd_scale is not None:
             s.x *= self._embd_scale  # one float32 multiply per element
-        nb_embd, nb_q, nb_ff = cfg.n_embd // kernels.QK, qw // kernels.QK, cfg.n_ff // kernels.QK
         for li, layer in enumerate(w.layers):
             kernels.rmsnorm(s.x, layer.attn_norm, eps, s.xn)
-            kernels.block_sums(s.xn, s.xsum[:, :nb_embd])
-            layer.attn_qkv(s.xn, s.xsum[:, :nb_embd], s.qkv)
+            layer.attn_qkv(s.xn, self._codes(s, s.xn), s.qkv)
             if layer.attn_qkv_bias is not None:
                 kernels.add_bias(s.qkv, layer.attn_qkv_bias)
             q, k, v = s.qkv[:, :qw], s.qkv[:, qw : qw + kvw], s.qkv[:, qw + kvw :]
@@ -186,17 +197,14 @@ class Engine:
             kernels.attention(
                 q, cache.k[li], cache.v[li], pos0, cfg.n_head, self.attn_scale, cache.lut, s.attn, self._layer_window[li]
             )
-            kernels.block_sums(s.attn, s.xsum[:, :nb_q])
-            layer.attn_output(s.attn, s.xsum[:, :nb_q], s.proj)
+            layer.attn_output(s.attn, self._codes(s, s.attn), s.proj)
             if layer.post_attention_norm is not None:
                 kernels.rmsnorm(s.proj, layer.post_attention_norm, eps, s.proj)
             kernels.add_inplace(s.x, s.proj)
             kernels.rmsnorm(s.x, layer.ffn_norm, eps, s.xn)
-            kernels.block_sums(s.xn, s.xsum[:, :nb_embd])
-            layer.ffn_gate_up(s.xn, s.xsum[:, :nb_embd], s.gate_up)
+            layer.ffn_gate_up(s.xn, self._codes(s, s.xn), s.gate_up)
             self._ffn_act(s.gate_up[:, : cfg.n_ff], s.gate_up[:, cfg.n_ff :], s.ffn)
-            kernels.block_sums(s.ffn, s.xsum[:, :nb_ff])
-            layer.ffn_down(s.ffn, s.xsum[:, :nb_ff], s.proj)
+            layer.ffn_down(s.ffn, self._codes(s, s.ffn), s.proj)
             if layer.post_ffw_norm is not None:
                 kernels.rmsnorm(s.proj, layer.post_ffw_norm, eps, s.proj)
             kernels.add_inplace(s.x, s.proj)
@@ -206,5 +214,4 @@ class Engine:
         rows = slice(0, T) if all_rows else slice(T - 1, T)
         xn = s.xn[rows]
         kernels.rmsnorm(s.x[rows], w.output_norm, eps, xn)
-        kernels.block_sums(xn, s.xsum[rows, :nb_embd])
-        w.output(xn, s.xsum[rows, :nb_embd], logits)
+        w.output(xn, self._codes(s, xn, rows), logits)

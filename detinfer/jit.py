@@ -37,3 +37,44 @@ def target_features_note(features: str | None) -> str:
     if features.endswith("," + WIDE):
         return WIDE_NOTE
     return f" features={features!r}"
+
+
+# CPUs whose LLVM defaults include the instructions of an integer-dot tier (kernels._idot); any other name
+# falls back to plain LLVM IR, which every target compiles (slower, same bytes: the dots are exact integers).
+_VNNI512_CPUS = {"cascadelake", "cooperlake", "icelake-client", "icelake-server", "tigerlake", "rocketlake",
+                 "sapphirerapids", "emeraldrapids", "graniterapids", "graniterapids-d", "znver4", "znver5"}
+_AVX512BW_CPUS = {"skylake-avx512", "cannonlake"}
+_AVX2_CPUS = {"haswell", "broadwell", "skylake", "alderlake", "raptorlake", "meteorlake", "arrowlake", "znver1",
+              "znver2", "znver3", "x86-64-v3", "x86-64-v4"}
+TIERS = ("vnni512", "avx512bw", "avx2", "generic")
+
+
+def int_dot_tier() -> str:
+    """Which instructions the kernels' exact integer block dots compile to for numba's target (numba's
+    ``CPU_NAME``/``CPU_FEATURES`` or the host's): "vnni512" (AVX512-VNNI vpdpbusd), "avx512bw" (vpmaddubsw +
+    vpmaddwd), "avx2" (the same at 256 bits) or "generic" (plain IR). Speed only: every tier computes the same
+    exact integers. A tier needs positive evidence (the CPU name's defaults or a "+feature"), and a "-feature"
+    drops it, so the kernels never ask LLVM for an instruction its target lacks."""
+    from llvmlite import binding as ll
+    from numba.core import codegen, config
+
+    name = config.CPU_NAME or ll.get_host_cpu_name()
+    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else codegen.get_host_cpu_features()
+    flags = {f[1:]: f[0] == "+" for f in features.split(",") if f[:1] in "+-" and len(f) > 1}
+    have = set()
+    if name in _VNNI512_CPUS:
+        have |= {"avx2", "avx512bw", "avx512vnni"}
+    elif name in _AVX512BW_CPUS:
+        have |= {"avx2", "avx512bw"}
+    elif name in _AVX2_CPUS:
+        have.add("avx2")
+    have |= {f for f, on in flags.items() if on}
+    for f, implied in (("avx2", ("avx512f", "avx512bw", "avx512vnni")), ("avx512f", ("avx512bw", "avx512vnni")),
+                       ("avx512bw", ("avx512vnni",))):
+        if flags.get(f) is False:
+            have -= {f, *implied}
+    if {"avx512bw", "avx512vnni"} <= have and "avx2" in have:
+        return "vnni512"
+    if "avx512bw" in have and "avx2" in have:
+        return "avx512bw"
+    return "avx2" if "avx2" in have else "generic"

@@ -8,8 +8,10 @@ Rules that make every output bit-identical across thread counts, prefill chunk s
   combined in a fixed tree); no fastmath (LLVM never contracts or reassociates), no BLAS, no ``np.dot``.
 - Fused multiply-adds appear only as explicit :func:`fma32` calls (``llvm.fma.f32``, one rounding on every
   target) and are part of the documented order; the quantized matmuls use them.
-- Quantized matrices are repacked at load so that a group of ``ROWS`` output rows is stored k-major: each
-  output keeps its own documented order over k, and LLVM vectorizes *across rows*, which changes no bit.
+- The quantized matmuls (:func:`matmul_q`) sum each block's products of integer codes exactly in int32, so the
+  instructions that do it (VNNI, AVX2, plain IR: ``jit.int_dot_tier``) cannot move a bit; only the float steps
+  after each block are ordered. Their matrices are repacked at load so that a group of ``ROWS`` output rows is
+  stored k-major, and the vector instructions work *across rows*.
 - A token's arithmetic never depends on how many other tokens share its chunk: prefill of n tokens computes,
   for every token, exactly the operations one-token decode does.
 - ``exp`` and the RoPE tables' sin, cos and pow are detinfer's own (:mod:`detinfer.numerics`), made of IEEE basic
@@ -17,9 +19,7 @@ Rules that make every output bit-identical across thread counts, prefill chunk s
   ``error_model="numpy"`` (no zero-divisor check, which would stop LLVM vectorizing; their divisors are >= 1).
 
 Indexing goes through slices (``row = a[i]``, then ``row[r]`` with ``r`` from ``range``) so LLVM can see the
-indices are non-negative and vectorize. The one computed index, ``block[j * ROWS + r]`` in the quantized matmuls
-(``j`` a constant of an unrolled loop, ``r`` from ``range``), is provably non-negative to LLVM, and its constant
-offsets keep one base pointer where a 2-D ``block[j, r]`` kept 16-32 row pointers spilled on the stack.
+indices are non-negative and vectorize.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from . import jit
 from .numerics import exp32, fma32, pow64, sincos64
 from .quants import f32_to_f16_bits
 
@@ -47,9 +48,8 @@ if FASTMATH:
     # ZeroDivisionError in the Gemma 3 decode); what the contract forbids is reassociation and contraction.
     njit = functools.partial(njit, fastmath={"reassoc", "contract", "arcp", "nsz", "afn"})
 
-ROWS = 64  # output rows per repacked group. The kernels index quants as block[j * ROWS + r] with this
-# compile-time constant (one base pointer, constant offsets) but loop over rows with a runtime trip count: a
-# compile-time trip count would make LLVM unroll the row loop into scalar code instead of vectorizing it.
+ROWS = 64  # output rows per repacked group (a multiple of 16, the rows of one 512-bit integer-dot vector). Loops over
+# rows take a runtime trip count: a compile-time one made LLVM unroll them into scalar code instead of vectorizing.
 QK = 32  # elements per block in Q4_0, Q4_1, Q8_0 (GGUF spec)
 PREFETCH_BLOCKS = 2  # how many blocks ahead the weight stream is prefetched
 
@@ -70,54 +70,6 @@ def _prefetch(typingctx, arr, idx):
         return context.get_dummy_value()
 
     return types.none(arr, types.intp), codegen
-
-
-@intrinsic
-def _lo4(typingctx, q):
-    """float32(q & 15) for a uint8 ``q``, in 32-bit integers (numba would widen ``q & 15`` to 64 bits)."""
-
-    def codegen(context, builder, sig, args):
-        i32 = ir.IntType(32)
-        return builder.sitofp(builder.and_(builder.zext(args[0], i32), i32(15)), ir.FloatType())
-
-    return types.float32(types.uint8), codegen
-
-
-@intrinsic
-def _hi4(typingctx, q):
-    """float32(q >> 4) for a uint8 ``q``, in 32-bit integers."""
-
-    def codegen(context, builder, sig, args):
-        i32 = ir.IntType(32)
-        return builder.sitofp(builder.lshr(builder.zext(args[0], i32), i32(4)), ir.FloatType())
-
-    return types.float32(types.uint8), codegen
-
-
-@intrinsic
-def _code5(typingctx, q, shift, h, bit):
-    """float32(((q >> shift) & 15) | (((h >> bit) & 1) << 4)) for uint8 q, uint32 h, in 32-bit integers."""
-
-    def codegen(context, builder, sig, args):
-        i32 = ir.IntType(32)
-        nib = builder.and_(builder.lshr(builder.zext(args[0], i32), builder.trunc(args[1], i32)), i32(15))
-        hi = builder.and_(builder.lshr(args[2], builder.trunc(args[3], i32)), i32(1))
-        return builder.sitofp(builder.or_(nib, builder.shl(hi, i32(4))), ir.FloatType())
-
-    return types.float32(types.uint8, types.intp, types.uint32, types.intp), codegen
-
-
-@intrinsic
-def _code6(typingctx, q, shift, h, bit):
-    """float32((((q >> shift) & 15) | (((h >> bit) & 3) << 4)) - 32) for uint8 q and h, in 32-bit integers."""
-
-    def codegen(context, builder, sig, args):
-        i32 = ir.IntType(32)
-        nib = builder.and_(builder.lshr(builder.zext(args[0], i32), builder.trunc(args[1], i32)), i32(15))
-        hi = builder.and_(builder.lshr(builder.zext(args[2], i32), builder.trunc(args[3], i32)), i32(3))
-        return builder.sitofp(builder.sub(builder.or_(nib, builder.shl(hi, i32(4))), i32(32)), ir.FloatType())
-
-    return types.float32(types.uint8, types.intp, types.uint8, types.intp), codegen
 
 
 def _prefetch_rows(a, b):
@@ -142,7 +94,7 @@ def _prefetch_rows_impl(a, b):
 
 
 def _sub(a, i):
-    """``a[i]``, or None when ``a`` is None: the optional arrays of :func:`matmul_nibbles` (chosen at compile time)."""
+    """``a[i]``, or None when ``a`` is None: the optional arrays of :func:`matmul_q` (chosen at compile time)."""
 
 
 @overload(_sub, inline="always")
@@ -152,237 +104,237 @@ def _sub_impl(a, i):
     return lambda a, i: a[i]
 
 
-def _codes(qb, hb, mb, r, j):
-    """float32 codes of elements j, 8+j, 16+j, 24+j of row r in one block of :func:`matmul_nibbles`
-    (qb: the block's bytes, hb: its high bits or None, mb: its offsets or None). The format follows from the
-    types: hb and mb for 5-bit codes, mb alone for 4-bit codes, neither for Q6_K."""
+# --- exact integer block dots (detinfer-numerics/3) -------------------------------------------------------
+# The quantized matmuls multiply integer weight codes by integer activation codes (quantize_blocks) and sum
+# each block's 16- or 32-term products exactly in int32, so the instructions that do it (and their order) cannot
+# change a bit; jit.int_dot_tier picks them per compile target. Only the float steps after each block are ordered.
+
+_I8 = ir.IntType(8)
+_I16 = ir.IntType(16)
+_I32 = ir.IntType(32)
 
 
-@overload(_codes, inline="always")
-def _codes_impl(qb, hb, mb, r, j):
-    if not isinstance(hb, types.NoneType):  # 5-bit codes: bit e of hb[r] is bit 4 of element e
-
-        def impl5(qb, hb, mb, r, j):
-            q0 = qb[j * ROWS + r]
-            q1 = qb[(8 + j) * ROWS + r]
-            h = hb[r]
-            return _code5(q0, 0, h, j), _code5(q1, 0, h, 8 + j), _code5(q0, 4, h, 16 + j), _code5(q1, 4, h, 24 + j)
-
-        return impl5
-    if isinstance(mb, types.NoneType):  # Q6_K: byte 16 + j holds bits 4-5 of elements j, 8+j, 16+j, 24+j
-
-        def impl6(qb, hb, mb, r, j):
-            q0 = qb[j * ROWS + r]
-            q1 = qb[(8 + j) * ROWS + r]
-            h = qb[(16 + j) * ROWS + r]
-            return _code6(q0, 0, h, 0), _code6(q1, 0, h, 2), _code6(q0, 4, h, 4), _code6(q1, 4, h, 6)
-
-        return impl6
-
-    def impl4(qb, hb, mb, r, j):  # 4-bit codes
-        q0 = qb[j * ROWS + r]  # elements j (low nibble) and j + 16 (high nibble)
-        q1 = qb[(8 + j) * ROWS + r]  # elements 8 + j and 24 + j
-        return _lo4(q0), _lo4(q1), _hi4(q0), _hi4(q1)
-
-    return impl4
+def _vec(t, n):
+    return ir.VectorType(t, n)
 
 
-def _block_step(acc, db, mb, r, c0, c1, c2, c3, xs):
-    """acc plus one block of row r from its four partial sums, in the order of :func:`matmul_nibbles`."""
+def _splat(builder, word, n):
+    """An <n x i32> vector of one i32 ``word``."""
+    v = builder.insert_element(ir.Constant(_vec(_I32, n), ir.Undefined), word, _I32(0))
+    return builder.shuffle_vector(v, v, ir.Constant(_vec(_I32, n), [0] * n))
 
 
-@overload(_block_step, inline="always")
-def _block_step_impl(acc, db, mb, r, c0, c1, c2, c3, xs):
-    if isinstance(mb, types.NoneType):  # Q6_K: a scale per 16 elements, signed codes, no offset
+def _x86(builder, name, ret, args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
 
-        def impl_k6(acc, db, mb, r, c0, c1, c2, c3, xs):
-            return fma32(db[ROWS + r], c2 + c3, fma32(db[r], c0 + c1, acc))
 
-        return impl_k6
+def _dot4(builder, tier, acc, a, b, signed):
+    """acc + the sum of 4 byte products per i32 lane: acc[l] + sum_i a[4l+i] * b[4l+i], exact (int32), with a
+    unsigned bytes (signed=False: codes 0..63) or signed bytes (signed=True: -128..127), b signed bytes in
+    -127..127. acc, a, b: <n x i32>, n = 16 (8 for tier "avx2")."""
+    n = acc.type.count
+    bv = _vec(_I8, 4 * n)
+    if signed:  # |a| and b * sign(a): the same products with an unsigned first operand (|a| <= 128)
+        a8, b8 = builder.bitcast(a, bv), builder.bitcast(b, bv)
+        neg = builder.icmp_signed("<", a8, ir.Constant(bv, [0] * 4 * n))
+        a = builder.bitcast(builder.select(neg, builder.sub(ir.Constant(bv, [0] * 4 * n), a8), a8), acc.type)
+        b = builder.bitcast(builder.select(neg, builder.sub(ir.Constant(bv, [0] * 4 * n), b8), b8), acc.type)
+    if tier == "vnni512":
+        return _x86(builder, "llvm.x86.avx512.vpdpbusd.512", acc.type, [acc, a, b])
+    if tier in ("avx512bw", "avx2"):  # |pair sums| <= 2 * 128 * 127 < 2^15: vpmaddubsw never saturates
+        ubs = "llvm.x86.avx512.pmaddubs.w.512" if tier == "avx512bw" else "llvm.x86.avx2.pmadd.ub.sw"
+        wd = "llvm.x86.avx512.pmaddw.d.512" if tier == "avx512bw" else "llvm.x86.avx2.pmadd.wd"
+        pairs = _x86(builder, ubs, _vec(_I16, 2 * n), [builder.bitcast(a, bv), builder.bitcast(b, bv)])
+        return builder.add(acc, _x86(builder, wd, acc.type, [pairs, ir.Constant(_vec(_I16, 2 * n), [1] * 2 * n)]))
+    wide = _vec(_I32, 4 * n)
+    p = builder.mul(builder.zext(builder.bitcast(a, bv), wide), builder.sext(builder.bitcast(b, bv), wide))
+    part = [builder.shuffle_vector(p, p, ir.Constant(_vec(_I32, n), [4 * l + i for l in range(n)])) for i in range(4)]
+    return builder.add(acc, builder.add(builder.add(part[0], part[1]), builder.add(part[2], part[3])))
 
-    def impl(acc, db, mb, r, c0, c1, c2, c3, xs):
-        return acc + fma32(db[r], (c0 + c1) + (c2 + c3), mb[r] * xs)
 
-    return impl
+def _make_idot(nt):
+    """An intrinsic idot(qb, xb, lo, hi): exact integer dots of one block of ROWS rows for ``nt`` tokens, the
+    weight vectors loaded and unpacked once for all of them: lo[t*ROWS + r] = sum_{e<16} c[r, e] * xq[t, e] and
+    hi[t*ROWS + r] = sum_{e>=16} c[r, e] * xq[t, e], int32 (|sum| < 2^21).
+    xb: int8 [nt, 32] activation codes (rows may be strided); lo, hi: int32 [nt*ROWS]; qb: one block of a row
+    group (see :func:`matmul_q`):
+      - uint32 [4*ROWS] packed nibbles: byte i of word g*ROWS + r holds codes e = 4g + i (low nibble) and
+        16 + 4g + i (high nibble) of row r;
+      - uint8 [32*ROWS] unsigned codes (0..63), int8 [32*ROWS] signed codes: byte i of word g*ROWS + r (words
+        of 4 bytes) is code e = 4g + i of row r."""
+
+    @intrinsic
+    def idot(typingctx, qb, xb, lo, hi):
+        nibbles = qb.dtype == types.uint32
+        signed = qb.dtype == types.int8
+
+        def codegen(context, builder, sig, args):
+            tier = jit.int_dot_tier()
+            n = 8 if tier == "avx2" else 16
+            vt = _vec(_I32, n)
+            arrays = [context.make_array(t)(context, builder, a) for t, a in zip(sig.args, args)]
+            q, lo_p, hi_p = (builder.bitcast(arrays[i].data, _I32.as_pointer()) for i in (0, 2, 3))
+            x0 = builder.bitcast(arrays[1].data, _I8.as_pointer())
+            row_bytes = cgutils.unpack_tuple(builder, arrays[1].strides, 2)[0]
+            xs = []  # xs[t][g]: token t's activation bytes 4g .. 4g+3 in every lane
+            for t in range(nt):
+                xt = builder.bitcast(builder.gep(x0, [builder.mul(row_bytes, row_bytes.type(t))]), _I32.as_pointer())
+                xs.append([_splat(builder, builder.load(builder.gep(xt, [_I32(i)]), align=1), n) for i in range(8)])
+            mask = ir.Constant(vt, [0x0F0F0F0F] * n)
+            zero = ir.Constant(vt, [0] * n)
+            for r0 in range(0, ROWS, n):
+                acc = [[zero, zero] for _ in range(nt)]
+                for g in range(4 if nibbles else 8):
+                    v = builder.load(builder.bitcast(builder.gep(q, [_I32(g * ROWS + r0)]), vt.as_pointer()), align=1)
+                    if nibbles:
+                        parts = ((0, g, builder.and_(v, mask)),
+                                 (1, 4 + g, builder.and_(builder.lshr(v, ir.Constant(vt, [4] * n)), mask)))
+                    else:
+                        parts = ((g // 4, g, v),)
+                    for half, xg, codes in parts:
+                        for t in range(nt):
+                            acc[t][half] = _dot4(builder, tier, acc[t][half], codes, xs[t][xg], signed)
+                for t in range(nt):
+                    for out_p, a in zip((lo_p, hi_p), acc[t]):
+                        builder.store(a, builder.bitcast(builder.gep(out_p, [_I32(t * ROWS + r0)]), vt.as_pointer()), align=1)
+            return context.get_dummy_value()
+
+        return types.none(qb, xb, lo, hi), codegen
+
+    return idot
+
+
+TOKENS = 4  # tokens per _idot4 call in a chunk
+_idot4 = _make_idot(TOKENS)
+_idot1 = _make_idot(1)
+
+
+MAGIC = np.float32(12582912.0)  # 1.5 * 2^23: (v + MAGIC) - MAGIC is float32 v rounded to an integer (ties to even), |v| < 2^22
+Q8_MAX = np.float32(127.0)
 
 
 @njit(cache=True)
-def block_sums(x, xsum):
-    """Per-block sums of activations: xsum[t, b] = x[t, 32b] + x[t, 32b+1] + ... + x[t, 32b+31], left to right.
+def quantize_blocks(x, xq, dx, sx):
+    """Activations to 8-bit block codes, the integer side of :func:`matmul_q` (as llama.cpp's ``quantize_row_q8_0``
+    does for its CPU dot products, with ties to even and the scale's reciprocal rounded once).
 
-    x: float32 [T, n_in]; xsum: float32 [T, n_in // 32] (output). Used by Q4_0/Q4_1 products for the ``m`` term.
+    x: float32 [T, n] (n a multiple of 32); outputs per token t and block b of 32 elements:
+    amax = max |x|; d = amax / 127 and inv = 127 / amax (float32, each rounded once; d = inv = 0 when amax = 0);
+    xq[t, 32b + e] = clamp(round_half_even(x * inv), -127, 127) (int8 [T, n], x * inv rounded to float32 first);
+    dx[t, b] = d (float32 [T, n // 32]); sx[t, 2b] and sx[t, 2b+1]: sums of the block's codes 0-15 and 16-31
+    (int32 [T, n // 16]).
+    A block holding inf or NaN gets codes 0 and d = NaN, so the products it feeds are NaN, as in float arithmetic.
     """
     for t in range(x.shape[0]):
-        xt = x[t]
-        st = xsum[t]
-        for b in range(st.shape[0]):
-            acc = np.float32(0.0)
-            for j in range(QK):
-                acc += xt[b * QK + j]
-            st[b] = acc
+        xt, qt, dt, st = x[t], xq[t], dx[t], sx[t]
+        for b in range(dt.shape[0]):
+            amax = np.float32(0.0)
+            finite = True
+            for e in range(b * QK, b * QK + QK):
+                a = abs(xt[e])
+                finite &= a - a == np.float32(0.0)  # false for inf and NaN
+                amax = max(amax, a)
+            if not finite:
+                d = inv = np.float32(np.nan)
+            elif amax == np.float32(0.0):
+                d = inv = np.float32(0.0)
+            else:
+                d, inv = amax / Q8_MAX, Q8_MAX / amax
+            dt[b] = d
+            for h in range(2):
+                s = 0
+                for e in range(b * QK + 16 * h, b * QK + 16 * h + 16):
+                    v = (xt[e] * inv + MAGIC) - MAGIC if finite else np.float32(0.0)
+                    c = np.int8(min(max(v, -Q8_MAX), Q8_MAX))
+                    qt[e] = c
+                    s += c
+                st[2 * b + h] = s
+
+
+def _block_step(at, lo, hi, db, hb, mb, z, dxt, s0, s1):
+    """at[r] plus one block's term for every row r, in the order of :func:`matmul_q` (s0, s1: the block's
+    half sums of activation codes)."""
+
+
+@overload(_block_step, inline="always")
+def _block_step_impl(at, lo, hi, db, hb, mb, z, dxt, s0, s1):
+    if not isinstance(hb, types.NoneType):  # Q6_K: a scale per 16 elements
+
+        def impl_halves(at, lo, hi, db, hb, mb, z, dxt, s0, s1):
+            z0, z1 = z * s0, z * s1
+            for r in range(at.shape[0]):
+                at[r] = fma32(dxt, fma32(hb[r], np.float32(hi[r] - z1), db[r] * np.float32(lo[r] - z0)), at[r])
+
+        return impl_halves
+    if isinstance(mb, types.NoneType):  # one scale, zero point z
+
+        def impl_zero(at, lo, hi, db, hb, mb, z, dxt, s0, s1):
+            zs = z * (s0 + s1)
+            for r in range(at.shape[0]):
+                at[r] = fma32(dxt, db[r] * np.float32(lo[r] + hi[r] - zs), at[r])
+
+        return impl_zero
+
+    def impl_offset(at, lo, hi, db, hb, mb, z, dxt, s0, s1):
+        s = np.float32(s0 + s1)
+        for r in range(at.shape[0]):
+            at[r] = fma32(dxt, fma32(db[r], np.float32(lo[r] + hi[r]), mb[r] * s), at[r])
+
+    return impl_offset
 
 
 @njit(cache=True, parallel=True)
-def matmul_nibbles(qs, qh, d, m, x, xsum, out):
-    """out[T, n_out] = x @ W.T for weights stored as nibbles (plus high bits): Q4_0, Q4_1, Q4_K, Q5_1, Q5_K,
-    Q6_K, in 32-element blocks (Q5_0 is widened to the Q8_0 kernel, see weights.QMatrix).
+def matmul_q(qs, d, d_hi, m, z, xq, dx, sx, out):
+    """out[T, n_out] = x @ W.T for block-quantized weights (every GGUF type detinfer reads but F32/F16/BF16), from
+    the activation codes of :func:`quantize_blocks` (xq int8 [T, n_in], dx float32 [T, nb], sx int32 [T, 2 nb]).
 
-    qs: uint8 [G, nb, k*ROWS]: byte qs[g, b, j*ROWS + r] is byte j of block b of row g*ROWS + r; for j < 16 its
-    low nibble is the low 4 bits of element j, its high nibble those of element j+16 (the GGUF Q4_0/Q4_1/Q5_0/
-    Q5_1 layout, ggml-quants.c ``block_q4_1``; k-quants are re-laid into it at load). The high bits:
-      - 4-bit codes (Q4_0, Q4_1, Q4_K): k = 16, qh None, code = nibble;
-      - 5-bit codes (Q5_1, Q5_K): k = 16, qh uint32 [G, nb, ROWS], bit e of qh[g, b, r] is bit 4 of
-        element e (the GGUF Q5_0 ``qh`` word);
-      - 6-bit codes (Q6_K): k = 24, qh None, m None; byte 16 + j holds bits 4-5 of elements j, 8+j, 16+j, 24+j
-        at bits 0-1, 2-3, 4-5, 6-7, and the code is q - 32 (signed). In qs rather than a separate array: a
-        fourth array in the chunk loop stopped LLVM from vectorizing it (4-6x slower, measured).
-    d: float32 [G, nb, ROWS] block scale (Q6_K: [G, nb, 2*ROWS], the scales of elements 0-15, then 16-31);
-    m: float32 [G, nb, ROWS] block offset, or None for Q6_K. Element value = d * code + m, exactly: Q4_0 (d, -8 d),
-    Q4_1 and Q5_1 (d, m), Q4_K and Q5_K sub-blocks (d * sc, -(dmin * m)), Q6_K (d * sc, code q - 32), as in
-    ggml-quants.c ``dequantize_row_*`` (see quants.unpack_rows); x: float32 [T, nb*32]; xsum: float32 [T, nb] from
-    :func:`block_sums`; out: float32 [T, n_out] with n_out <= G*ROWS (padding rows are not written).
-    Order per output (float32, fma = one rounding, :func:`fma32`): per block, four partial sums over the
-    elements e = 8k .. 8k+7 in increasing e, c_k = fma(q_e, x_e, c_k) from c_k = +0; then blocks left to right
-    from acc = +0: acc = acc + fma(d, (c0 + c1) + (c2 + c3), m * xsum) when m is given, and for Q6_K
-    acc = fma(d_hi, c2 + c3, fma(d_lo, c0 + c1, acc)). Parallel over row groups only.
-    Chunks (T > 1) go two tokens at a time, sharing each code's conversion to float; every token still runs
-    exactly the sequence above, so a chunk gives the bytes of one-token calls.
+    Weights, per row and 32-element block: element e = d * (c_e - z) + m (ggml-quants.c ``dequantize_row_*``;
+    weights.QMatrix gives each type's c, z, d, m), repacked for the integer dots (see :func:`_make_idot`) as
+    qs [G, nb, ...]: uint32 packed nibbles (4-bit codes), uint8 (5- and 6-bit codes) or int8 (Q8_0's signed
+    codes); d float32 [G, nb, ROWS] (for Q6_K the scale of elements 0-15 and d_hi that of 16-31, else d_hi None);
+    m float32 [G, nb, ROWS] or None; z: int zero point (0 with m).
+    Order per output (float32, fma = one rounding, :func:`fma32`): per block b, the exact integers
+    lo = sum_{e<16} c_e xq_e and hi = sum_{e>=16} c_e xq_e (in any order: they are exact), s0, s1 = sx[t, 2b],
+    sx[t, 2b + 1], then
+      u = fma(d, float(lo + hi), m * float(s0 + s1))        with an offset m (Q4_1, Q4_K, Q5_1, Q5_K),
+      u = d * float(lo + hi - z (s0 + s1))                  one scale (Q4_0, Q5_0, Q8_0),
+      u = fma(d_hi, float(hi - z s1), d * float(lo - z s0))  Q6_K,
+    (every float() exact: its integer is below 2^21 in magnitude), and acc = fma(dx, u, acc), blocks left to
+    right from acc = +0. Parallel over row groups only; every token runs this same sequence, whatever T is.
     """
     G, nb = d.shape[0], d.shape[1]
-    n_out, T = out.shape[1], x.shape[0]
+    n_out, T = out.shape[1], xq.shape[0]
     for g in prange(G):
         row0 = g * ROWS
         n = min(ROWS, n_out - row0)
-        qg, hg, dg, mg = qs[g], _sub(qh, g), d[g], _sub(m, g)
-        if T == 1:  # decode: accumulate straight into out
-            o = out[0, row0 : row0 + n]
-            for r in range(n):
-                o[r] = np.float32(0.0)
-            for b in range(nb):
-                _prefetch_rows(qg, b + PREFETCH_BLOCKS)
-                _prefetch_rows(hg, b + PREFETCH_BLOCKS)
-                _prefetch_rows(dg, b + PREFETCH_BLOCKS)
-                _prefetch_rows(mg, b + PREFETCH_BLOCKS)
-                qb, hb, db, mb = qg[b], _sub(hg, b), dg[b], _sub(mg, b)
-                xb = x[0, b * QK : b * QK + QK]
-                xs = xsum[0, b]
-                for r in range(n):  # vectorized across rows; the j loop is unrolled (constant trip count)
-                    c0 = np.float32(0.0)
-                    c1 = np.float32(0.0)
-                    c2 = np.float32(0.0)
-                    c3 = np.float32(0.0)
-                    for j in range(8):
-                        f0, f1, f2, f3 = _codes(qb, hb, mb, r, j)  # elements j, 8 + j, 16 + j, 24 + j
-                        c0 = fma32(f0, xb[j], c0)
-                        c1 = fma32(f1, xb[8 + j], c1)
-                        c2 = fma32(f2, xb[16 + j], c2)
-                        c3 = fma32(f3, xb[24 + j], c3)
-                    o[r] = _block_step(o[r], db, mb, r, c0, c1, c2, c3, xs)
-            continue
-        # Chunk: accumulators acc[t*ROWS + r] and the pair's activations xt[u*32 + e] live in local buffers, so
-        # the vectorized row loop touches few distinct arrays (LLVM gives up above a few runtime alias checks).
+        qg, dg, hg, mg = qs[g], d[g], _sub(d_hi, g), _sub(m, g)
         acc = np.zeros(T * ROWS, np.float32)
-        xt = np.empty(2 * QK, np.float32)
+        lo = np.empty(TOKENS * ROWS, np.int32)
+        hi = np.empty(TOKENS * ROWS, np.int32)
         for b in range(nb):
             _prefetch_rows(qg, b + PREFETCH_BLOCKS)
-            _prefetch_rows(hg, b + PREFETCH_BLOCKS)
             _prefetch_rows(dg, b + PREFETCH_BLOCKS)
+            _prefetch_rows(hg, b + PREFETCH_BLOCKS)
             _prefetch_rows(mg, b + PREFETCH_BLOCKS)
-            qb, hb, db, mb = qg[b], _sub(hg, b), dg[b], _sub(mg, b)
+            qb, db, hb, mb = qg[b], dg[b], _sub(hg, b), _sub(mg, b)
             t = 0
-            while t + 2 <= T:
-                xa = x[t, b * QK : b * QK + QK]
-                xn = x[t + 1, b * QK : b * QK + QK]
-                for e in range(QK):
-                    xt[e] = xa[e]
-                    xt[QK + e] = xn[e]
-                sa = xsum[t, b]
-                sn = xsum[t + 1, b]
-                at = acc[t * ROWS : t * ROWS + 2 * ROWS]
-                for r in range(n):
-                    a0 = np.float32(0.0)
-                    a1 = np.float32(0.0)
-                    a2 = np.float32(0.0)
-                    a3 = np.float32(0.0)
-                    n0 = np.float32(0.0)
-                    n1 = np.float32(0.0)
-                    n2 = np.float32(0.0)
-                    n3 = np.float32(0.0)
-                    for j in range(8):
-                        f0, f1, f2, f3 = _codes(qb, hb, mb, r, j)
-                        a0 = fma32(f0, xt[j], a0)
-                        a1 = fma32(f1, xt[8 + j], a1)
-                        a2 = fma32(f2, xt[16 + j], a2)
-                        a3 = fma32(f3, xt[24 + j], a3)
-                        n0 = fma32(f0, xt[QK + j], n0)
-                        n1 = fma32(f1, xt[QK + 8 + j], n1)
-                        n2 = fma32(f2, xt[QK + 16 + j], n2)
-                        n3 = fma32(f3, xt[QK + 24 + j], n3)
-                    at[r] = _block_step(at[r], db, mb, r, a0, a1, a2, a3, sa)
-                    at[ROWS + r] = _block_step(at[ROWS + r], db, mb, r, n0, n1, n2, n3, sn)
-                t += 2
-            if t < T:  # odd chunk: the last token alone
-                xa = x[t, b * QK : b * QK + QK]
-                sa = xsum[t, b]
-                at = acc[t * ROWS : t * ROWS + ROWS]
-                for r in range(n):
-                    a0 = np.float32(0.0)
-                    a1 = np.float32(0.0)
-                    a2 = np.float32(0.0)
-                    a3 = np.float32(0.0)
-                    for j in range(8):
-                        f0, f1, f2, f3 = _codes(qb, hb, mb, r, j)
-                        a0 = fma32(f0, xa[j], a0)
-                        a1 = fma32(f1, xa[8 + j], a1)
-                        a2 = fma32(f2, xa[16 + j], a2)
-                        a3 = fma32(f3, xa[24 + j], a3)
-                    at[r] = _block_step(at[r], db, mb, r, a0, a1, a2, a3, sa)
+            while t < T:
+                nt = TOKENS if t + TOKENS <= T else 1
+                if nt == TOKENS:
+                    _idot4(qb, xq[t : t + TOKENS, b * QK : b * QK + QK], lo, hi)
+                else:
+                    _idot1(qb, xq[t : t + 1, b * QK : b * QK + QK], lo, hi)
+                for u in range(nt):
+                    _block_step(acc[(t + u) * ROWS : (t + u + 1) * ROWS], lo[u * ROWS : (u + 1) * ROWS],
+                                hi[u * ROWS : (u + 1) * ROWS], db, hb, mb, z, dx[t + u, b], sx[t + u, 2 * b],
+                                sx[t + u, 2 * b + 1])  # fmt: skip
+                t += nt
         for t in range(T):
             o = out[t, row0 : row0 + n]
             at = acc[t * ROWS : t * ROWS + ROWS]
             for r in range(n):
                 o[r] = at[r]
-
-
-@njit(cache=True, parallel=True)
-def matmul_q8_0(qs, d, x, out):
-    """out[t, r] = sum over blocks b of d[r,b] * s[r,b,t] for Q8_0 weights (ggml-quants.c ``block_q8_0``), and
-    Q5_0 weights widened to codes q - 16 (x = d * (q - 16), ggml-quants.c ``dequantize_row_q5_0``).
-
-    qs: int8 [G, nb, 32*ROWS], qs[g, b, e*ROWS + r] = element e of block b of row g*ROWS + r; d: float32
-    [G, nb, ROWS]; x: float32 [T, nb*32]; out: float32 [T, n_out].
-    Order per output (float32, fma = one rounding): per block, four partial sums over e = 8k .. 8k+7 in
-    increasing e, c_k = fma(q_e, x_e, c_k) from c_k = +0; s = (c0 + c1) + (c2 + c3); then blocks left to right
-    from acc = +0: acc = fma(d, s, acc). Parallel over row groups only; every token runs this same sequence.
-    """
-    G, nb = d.shape[0], d.shape[1]
-    n_out, T = out.shape[1], x.shape[0]
-    for g in prange(G):
-        row0 = g * ROWS
-        n = min(ROWS, n_out - row0)
-        qg, dg = qs[g], d[g]
-        for t in range(T):
-            o = out[t, row0 : row0 + n]
-            for r in range(n):
-                o[r] = np.float32(0.0)
-        for b in range(nb):
-            _prefetch_rows(qg, b + PREFETCH_BLOCKS)
-            _prefetch_rows(dg, b + PREFETCH_BLOCKS)
-            qb, db = qg[b], dg[b]
-            for t in range(T):
-                xb = x[t, b * QK : b * QK + QK]
-                o = out[t, row0 : row0 + n]
-                for r in range(n):
-                    c0 = np.float32(0.0)
-                    c1 = np.float32(0.0)
-                    c2 = np.float32(0.0)
-                    c3 = np.float32(0.0)
-                    for j in range(8):
-                        c0 = fma32(np.float32(qb[j * ROWS + r]), xb[j], c0)
-                        c1 = fma32(np.float32(qb[(8 + j) * ROWS + r]), xb[8 + j], c1)
-                        c2 = fma32(np.float32(qb[(16 + j) * ROWS + r]), xb[16 + j], c2)
-                        c3 = fma32(np.float32(qb[(24 + j) * ROWS + r]), xb[24 + j], c3)
-                    o[r] = fma32(db[r], (c0 + c1) + (c2 + c3), o[r])
 
 
 @njit(cache=True, parallel=True)

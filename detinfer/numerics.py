@@ -26,7 +26,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-NUMERICS = "detinfer-numerics/2"
+NUMERICS = "detinfer-numerics/3"
 NUMERICS_1 = "detinfer-numerics/1"  # what a file without a numerics field was recorded with
 
 

@@ -9,6 +9,7 @@ module loads whatever of them the architecture lists, into one :class:`Layer` sh
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -40,10 +41,13 @@ def _k_major(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.moveaxis(a, 1, -1))
 
 
-def _k_major_blocks(qs: np.ndarray) -> np.ndarray:
-    """Quant bytes [n_rows, nb, k] -> [G, nb, k*ROWS]: per row group and block, byte j of row r at j*ROWS + r."""
-    a = _k_major(qs)  # [G, nb, k, ROWS]
-    return a.reshape(a.shape[0], a.shape[1], -1)
+def _words(codes: np.ndarray) -> np.ndarray:
+    """Code bytes [n_rows, nb, k] (k a multiple of 4) -> [G, nb, k*ROWS] of kernels._idot: per row group and
+    block, byte i of word g of row r (bytes 4g .. 4g+3 of the row's block) at (g*ROWS + r)*4 + i."""
+    a = _groups(codes)  # [G, ROWS, nb, k]
+    G, _, nb, k = a.shape
+    a = np.moveaxis(a.reshape(G, R, nb, k // 4, 4), 1, 3)  # [G, nb, k // 4, ROWS, 4]
+    return np.ascontiguousarray(a).reshape(G, nb, k * R)
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -51,41 +55,42 @@ def _f16(raw: np.ndarray) -> np.ndarray:
     return F16_TO_F32[np.ascontiguousarray(raw).view("<u2")[..., 0]]
 
 
-def _nibbles(codes: np.ndarray) -> np.ndarray:
-    """Codes uint8 [n, nb, 32] -> bytes [n, nb, 16] in the Q4_1 layout: byte j = (c_j & 15) | (c_{j+16} & 15) << 4."""
+def _nibble_words(codes: np.ndarray) -> np.ndarray:
+    """4-bit codes uint8 [n, nb, 32] -> uint32 [G, nb, 4*ROWS]: byte i of word g holds codes 4g+i (low nibble)
+    and 16+4g+i (high nibble), the GGUF Q4_0/Q4_1 byte order (ggml-quants.c ``block_q4_1``) in groups of 4."""
     c = codes & np.uint8(15)
-    return c[..., :16] | (c[..., 16:] << np.uint8(4))
+    return _words(c[..., :16] | (c[..., 16:] << np.uint8(4))).view(np.uint32)
 
 
-def _high_bit_words(codes: np.ndarray) -> np.ndarray:
-    """5-bit codes uint8 [n, nb, 32] -> uint32 [n, nb]: bit e = bit 4 of code e (the GGUF Q5_0 ``qh`` word)."""
-    bits = ((codes >> np.uint8(4)) & np.uint8(1)).astype(np.uint32)
-    return (bits << np.arange(32, dtype=np.uint32)).sum(axis=-1, dtype=np.uint32)
+class Activations(NamedTuple):
+    """A matmul input's 8-bit block codes, from kernels.quantize_blocks (see there): xq int8 [T, n_in],
+    dx float32 [T, n_in // 32] (block scales), sx int32 [T, n_in // 16] (half-block sums of the codes)."""
 
+    xq: np.ndarray
+    dx: np.ndarray
+    sx: np.ndarray
 
-def _high_crumbs(codes: np.ndarray) -> np.ndarray:
-    """6-bit codes uint8 [n, nb, 32] -> bytes [n, nb, 8]: byte j holds bits 4-5 of code 8k + j at bits 2k, 2k+1."""
-    c = (codes >> np.uint8(4)).reshape(codes.shape[:-1] + (4, 8))  # [..., k, j]
-    return c[..., 0, :] | (c[..., 1, :] << np.uint8(2)) | (c[..., 2, :] << np.uint8(4)) | (c[..., 3, :] << np.uint8(6))
+    @classmethod
+    def of(cls, x: np.ndarray) -> "Activations":
+        """The codes of x (float32 [T, n_in], n_in a multiple of 32) in new arrays."""
+        T, nb = x.shape[0], x.shape[1] // kernels.QK
+        a = cls(np.empty(x.shape, np.int8), np.empty((T, nb), np.float32), np.empty((T, 2 * nb), np.int32))
+        kernels.quantize_blocks(x, *a)
+        return a
 
 
 @dataclass(frozen=True)
 class QMatrix:
     """A weight matrix of shape (n_out, n_in) ready for the matmul kernels.
 
-    kind "nibbles" (Q4_0, Q4_1, Q4_K, Q5_1, Q5_K, Q6_K): arrays (qs, qh, d, m) of kernels.matmul_nibbles,
-    32-element blocks with exact float32 scales (k-quant sub-block scales d * sc, dmin * m are exact products
-    of an f16 and a 6- or 8-bit integer); kind "q8_0" (Q8_0, Q5_0): (qs int8 [G, nb, 32*ROWS], d) of
-    kernels.matmul_q8_0; kind "dense" (F32/F16/BF16): (w float32 [G, n_in, ROWS]).
-    In qs, byte j of block b of row g*ROWS + r sits at [g, b, j*ROWS + r] (see kernels.matmul_nibbles).
-
-    Q5_0 is widened at load to int8 codes q - 16 with its scale d (exact: x = d * (q - 16)) and runs the Q8_0
-    kernel. Measured on the 2-core machine (2048x640 Q5_0, 40 matrices cycled so the weights stream from
-    memory, other processes busy): packed 5-bit codes in matmul_nibbles took 0.24 ms per call at T=1 and
-    8.1 ms at T=64 against 0.21 and 5.6 ms widened, at 1 thread, and 0.23 against 0.17 ms at T=1 with 2 threads. Assembling a 5-bit code
-    costs more than the 29% more bytes widened codes stream (1.47 against 1.15 MB); decode here is not yet
-    bandwidth-bound. Q5_1 and Q5_K stay packed: they need the offset term the Q8_0 kernel does not have, and
-    no target model uses them for large matrices.
+    kind "q" (every block type): arrays (qs, d, d_hi, m, z) of kernels.matmul_q, element e of a 32-element block
+    = d * (c_e - z) + m, every scale and offset exact in float32 (k-quant sub-block scales d * sc, dmin * m are
+    exact products of an f16 and a 6- or 8-bit integer; ggml-quants.c ``dequantize_row_*``):
+      - 4-bit codes c in 0..15, packed nibbles: Q4_0 (z = 8), Q4_1 (m), Q4_K (d sc, m = -dmin m_sc);
+      - 5- and 6-bit codes, one byte each: Q5_0 (z = 16), Q5_1 (m), Q5_K (m), Q6_K (z = 32 and a scale per 16
+        elements: d for elements 0-15, d_hi for 16-31);
+      - Q8_0: signed codes, one byte each.
+    kind "dense" (F32/F16/BF16): (w float32 [G, n_in, ROWS]) of kernels.matmul_dense.
     """
 
     name: str
@@ -100,49 +105,49 @@ class QMatrix:
         """Repack raw GGUF rows (uint8 [n_out, row_bytes]) of ``ggml_type`` into the kernels' layout."""
         n_out = raw.shape[0]
         nb = n_in // kernels.QK
-        if ggml_type in (Q.Q4_0, Q.Q4_1, Q.Q8_0):  # already 32-element blocks of the kernels' layout
+        d_hi = m = None
+        z = 0
+        if ggml_type in (Q.Q4_0, Q.Q4_1, Q.Q8_0):  # 32-element blocks: f16 d (and m), then the codes
             block_bytes = GGML_QUANT_SIZES[ggml_type][1]
             blocks = raw.reshape(n_out, nb, block_bytes)
             d = _f16(blocks[:, :, 0:2])
             if ggml_type == Q.Q8_0:
-                qs = blocks[:, :, 2:].view(np.int8)
-                return cls(name, ggml_type, n_out, n_in, "q8_0", (_k_major_blocks(qs), _k_major(d)))
-            if ggml_type == Q.Q4_1:
-                m, qs = _f16(blocks[:, :, 2:4]), blocks[:, :, 4:]
-            else:  # Q4_0: x = d * (q - 8) = d * q + (-8 d), and -8 d is exact in f32
-                m, qs = d * np.float32(-8.0), blocks[:, :, 2:]
-            arrays = (_k_major_blocks(qs), None, _k_major(d), _k_major(m))
-            return cls(name, ggml_type, n_out, n_in, "nibbles", arrays)
-        if ggml_type in (Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K):
+                qs = _words(blocks[:, :, 2:].view(np.int8))
+            else:
+                packed = blocks[:, :, 4:] if ggml_type == Q.Q4_1 else blocks[:, :, 2:]
+                qs = _nibble_words(np.concatenate([packed & np.uint8(15), packed >> np.uint8(4)], axis=-1))
+                if ggml_type == Q.Q4_1:
+                    m = _f16(blocks[:, :, 2:4])
+                else:
+                    z = 8
+        elif ggml_type in (Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K):
             sub = 16 if ggml_type == Q.Q6_K else 32
             codes = np.empty((n_out, n_in), np.uint8)
             scale = np.empty((n_out, n_in // sub), np.float32)
             offset = np.empty_like(scale)
             unpack_rows(int(ggml_type), np.ascontiguousarray(raw), codes, scale, offset)
             codes = codes.reshape(n_out, nb, kernels.QK)
-            if ggml_type == Q.Q5_0:  # widened: x = d * (q - 16), see the class docstring
-                qs = codes.astype(np.int8) - np.int8(16)
-                return cls(name, ggml_type, n_out, n_in, "q8_0", (_k_major_blocks(qs), _k_major(scale)))
-            if ggml_type == Q.Q6_K:  # high bits after the nibbles; two 16-element scales per block; no offset
-                qs = _k_major_blocks(np.concatenate([_nibbles(codes), _high_crumbs(codes)], axis=-1))
-                arrays = (qs, None, _k_major_blocks(scale.reshape(n_out, nb, 2)), None)
+            qs, d = (_nibble_words if ggml_type == Q.Q4_K else _words)(codes), scale
+            if ggml_type == Q.Q5_0:  # offset -16 d
+                z = 16
+            elif ggml_type == Q.Q6_K:  # offset -32 d per 16 elements
+                z, d, d_hi = 32, scale[:, 0::2], scale[:, 1::2]
             else:
-                qh = None if ggml_type == Q.Q4_K else _k_major(_high_bit_words(codes))
-                arrays = (_k_major_blocks(_nibbles(codes)), qh, _k_major(scale), _k_major(offset))
-            return cls(name, ggml_type, n_out, n_in, "nibbles", arrays)
-        w = dequantize(raw, ggml_type)  # F32 / F16 / BF16: widening to f32 is exact
-        return cls(name, ggml_type, n_out, n_in, "dense", (_k_major(w),))
+                m = offset
+        else:
+            w = dequantize(raw, ggml_type)  # F32 / F16 / BF16: widening to f32 is exact
+            return cls(name, ggml_type, n_out, n_in, "dense", (_k_major(w),))
+        arrays = (qs, _k_major(d), None if d_hi is None else _k_major(d_hi), None if m is None else _k_major(m), z)
+        return cls(name, ggml_type, n_out, n_in, "q", arrays)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays if a is not None)
+        return sum(a.nbytes for a in self.arrays if isinstance(a, np.ndarray))
 
-    def __call__(self, x: np.ndarray, xsum: np.ndarray, out: np.ndarray) -> None:
-        """out[T, n_out] = x[T, n_in] @ W.T, with xsum = kernels.block_sums(x) precomputed by the caller."""
-        if self.kind == "nibbles":
-            kernels.matmul_nibbles(*self.arrays, x, xsum, out)
-        elif self.kind == "q8_0":
-            kernels.matmul_q8_0(*self.arrays, x, out)
+    def __call__(self, x: np.ndarray, xq: Activations, out: np.ndarray) -> None:
+        """out[T, n_out] = x[T, n_in] @ W.T; xq: the codes of x (:class:`Activations`, filled by the caller)."""
+        if self.kind == "q":
+            kernels.matmul_q(*self.arrays, *xq, out)
         else:
             kernels.matmul_dense(*self.arrays, x, out)
 
@@ -183,9 +188,9 @@ def _matrix(mf: ModelFile, *names: str) -> QMatrix:
         part = QMatrix.from_raw(names[0], ggml_type, mf.read_tensor(names[0], start, start + SLICE_ROWS), n_in)
         if arrays is None:
             G, kind = -(-n_out // R), part.kind
-            arrays = tuple(None if a is None else np.empty((G,) + a.shape[1:], a.dtype) for a in part.arrays)
+            arrays = tuple(np.empty((G,) + a.shape[1:], a.dtype) if isinstance(a, np.ndarray) else a for a in part.arrays)
         for whole, a in zip(arrays, part.arrays):
-            if a is not None:
+            if isinstance(a, np.ndarray):
                 whole[start // R : start // R + a.shape[0]] = a
     return QMatrix(names[0], ggml_type, n_out, n_in, kind, arrays)
 
@@ -224,10 +229,10 @@ class Projection:
     def nbytes(self) -> int:
         return sum(m.nbytes for m in self.mats)
 
-    def __call__(self, x: np.ndarray, xsum: np.ndarray, out: np.ndarray) -> None:
-        """out[T, n_out] (float32, C-contiguous) = x[T, n_in] @ W.T, with xsum = kernels.block_sums(x)."""
+    def __call__(self, x: np.ndarray, xq: Activations, out: np.ndarray) -> None:
+        """out[T, n_out] (float32, C-contiguous) = x[T, n_in] @ W.T, with xq the codes of x (:class:`Activations`)."""
         if len(self.mats) == 1:
-            self.mats[0](x, xsum, out)
+            self.mats[0](x, xq, out)
             return
         T, col = x.shape[0], 0
         for i, m in enumerate(self.mats):
@@ -235,7 +240,7 @@ class Projection:
             buf = self._buffers.get((T, i))
             if buf is None:
                 buf = self._buffers[(T, i)] = np.empty((T, m.n_out), np.float32)
-            m(x, xsum, buf)
+            m(x, xq, buf)
             out[:, col : col + m.n_out] = buf
             col += m.n_out
 

@@ -137,7 +137,8 @@ def block_fields(qtype: Q, raw: np.ndarray, n_in: int):
 
     d[..., 0] scales elements 0-15, d[..., 1] elements 16-31 (equal except in Q6_K). Nibble formats: byte j
     holds element j in its low nibble and element j+16 in its high one, Q5 bit 4 of element e is bit e of qh.
-    Offsets: Q4_0 -8 d, Q4_K/Q5_K -(dmin * m); Q5_0 and Q6_K have signed codes q - 16, q - 32 and no offset.
+    Offsets: Q4_1/Q5_1 m, Q4_K/Q5_K -(dmin * m); Q4_0, Q5_0 and Q6_K have signed codes q - 8, q - 16, q - 32 and
+    no offset (m None), like Q8_0.
     """
     n_out = raw.shape[0]
     block_size = GGML_QUANT_SIZES[qtype][0]
@@ -146,16 +147,16 @@ def block_fields(qtype: Q, raw: np.ndarray, n_in: int):
     if qtype in (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1):
         d = blk["d"].astype(np.float64)
         if qtype == Q.Q8_0:
-            codes, m = blk["qs"].astype(np.float64), np.zeros_like(d)
+            codes, m = blk["qs"].astype(np.float64), None
         else:
             codes = np.concatenate([blk["qs"] & 15, blk["qs"] >> 4], axis=-1).astype(np.float64)
             if qtype in (Q.Q5_0, Q.Q5_1):
                 qh = blk["qh"].view("<u4")[..., 0]
                 codes += 16 * ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1)
-            if qtype == Q.Q5_0:  # widened to the Q8_0 kernel: signed codes, no offset
-                codes, m = codes - 16.0, None
+            if qtype in (Q.Q4_0, Q.Q5_0):  # zero point 8 or 16: signed codes, no offset
+                codes, m = codes - (8.0 if qtype == Q.Q4_0 else 16.0), None
             else:
-                m = blk["m"].astype(np.float64) if qtype != Q.Q4_0 else -8.0 * d
+                m = blk["m"].astype(np.float64)
         return codes, np.stack([d, d], axis=-1), m
     if qtype == Q.Q6_K:
         # element 128 h + 64 n + l: nibble n of ql[64 h + l]; element 128 h + 32 k + l: bits 2k, 2k+1 of qh[32 h + l]
@@ -176,28 +177,63 @@ def block_fields(qtype: Q, raw: np.ndarray, n_in: int):
     return codes.reshape(n_out, nb, QK), np.stack([d, d], axis=-1), m.reshape(n_out, nb)
 
 
+def quantize_ref(x: np.ndarray):
+    """kernels.quantize_blocks as its docstring defines it, in numpy: (xq int64 [T, n], dx float32 [T, n // 32],
+    sx int64 [T, n // 16]). numpy's float32 / and * round once, np.rint rounds half to even."""
+    f = np.float32
+    xb = x.reshape(x.shape[0], -1, QK)
+    amax = np.abs(xb).max(axis=2)
+    finite = np.isfinite(xb).all(axis=2)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        dx = np.where(amax > 0, amax / f(127), f(0)).astype(f)
+        inv = np.where(amax > 0, f(127) / amax, f(0)).astype(f)
+        xq = np.clip(np.rint((xb * inv[..., None]).astype(f)), -127, 127)
+    dx[~finite] = np.nan
+    xq = np.where(finite[..., None], xq, 0).astype(np.int64)
+    sx = xq.reshape(x.shape[0], -1, 2, QK // 2).sum(axis=3).reshape(x.shape[0], -1)
+    return xq.reshape(x.shape), dx, sx
+
+
+def quantized_terms(qtype: Q, raw: np.ndarray, n_in: int, x: np.ndarray):
+    """Exact per-block integers of the quantized matmuls, from block_fields and quantize_ref: (S [T, n_out, nb, 2]
+    half dots of signed codes and activation codes, int64; dx [T, nb]; d, m from block_fields; sx [T, nb, 2])."""
+    codes, d, m = block_fields(qtype, raw, n_in)
+    xq, dx, sx = quantize_ref(x)
+    T, n_out, nb = x.shape[0], codes.shape[0], codes.shape[1]
+    c = codes.astype(np.int64).reshape(n_out, nb, 2, QK // 2)
+    S = np.einsum("rbhe,tbhe->trbh", c, xq.reshape(T, nb, 2, QK // 2))
+    return S, dx, d, m, sx.reshape(T, nb, 2)
+
+
 def magnitude(qtype: Q, raw: np.ndarray, n_in: int, x: np.ndarray) -> np.ndarray:
-    """[T, n_out] sum of |terms| the kernel adds: |d| sum|q x| + |m| sum|x| per block (per half block for the
-    two scales of Q6_K), or sum |w x| for dense."""
+    """[T, n_out] sum of |terms| the kernel adds: per block |dx| (|d| sum|c xq| (per half for Q6_K) + |m| |sx|),
+    or sum |w x| for dense."""
     ax = np.abs(x.astype(np.float64))
     if qtype not in BLOCK_DTYPES:
         return ax @ np.abs(gguf_dequantize(raw, qtype).astype(np.float64)).T
     codes, d, m = block_fields(qtype, raw, n_in)
-    axb = ax.reshape(ax.shape[0], -1, 2, QK // 2)  # [T, nb, half, 16]
-    s = np.einsum("rbhj,tbhj->trbh", np.abs(codes).reshape(codes.shape[0], -1, 2, QK // 2), axb)
-    mag = np.einsum("rbh,trbh->tr", np.abs(d), s)
-    return mag if m is None else mag + np.einsum("rb,tb->tr", np.abs(m), axb.sum(axis=(2, 3)))
+    xq, dx, sx = quantize_ref(x)
+    T, n_out, nb = x.shape[0], codes.shape[0], codes.shape[1]
+    a = np.einsum("rbhe,tbhe->trbh", np.abs(codes).reshape(n_out, nb, 2, QK // 2),
+                  np.abs(xq).reshape(T, nb, 2, QK // 2).astype(np.float64))  # fmt: skip
+    per_block = np.einsum("rbh,trbh->trb", np.abs(d), a)
+    if m is not None:
+        per_block += np.abs(m)[None] * np.abs(sx.reshape(T, nb, 2).sum(axis=2))[:, None, :]
+    return np.einsum("tb,trb->tr", np.abs(dx.astype(np.float64)), per_block)
 
 
 def run_matmul(mat: QMatrix, x: np.ndarray) -> np.ndarray:
-    """out[T, n_out] through QMatrix.__call__, as the engine calls it: xsum a view into a wider buffer,
-    out pre-filled with NaN so an unwritten element shows."""
-    T = x.shape[0]
-    xsum_buf = np.full((T, x.shape[1] // QK + 7), np.nan, np.float32)
-    xsum = xsum_buf[:, : x.shape[1] // QK]
-    kernels.block_sums(x, xsum)
+    """out[T, n_out] through QMatrix.__call__, as the engine calls it: the activation codes in views into wider
+    buffers, out pre-filled with NaN so an unwritten element shows."""
+    T, n_in = x.shape
+    nb = n_in // QK
+    acts = weights.Activations(
+        np.full((T, n_in + 64), 99, np.int8)[:, :n_in], np.full((T, nb + 7), np.nan, np.float32)[:, :nb],
+        np.full((T, 2 * nb + 7), 99, np.int32)[:, : 2 * nb],
+    )  # fmt: skip
+    kernels.quantize_blocks(x, *acts)
     out = np.full((T, mat.n_out), np.nan, np.float32)
-    mat(x, xsum, out)
+    mat(x, acts, out)
     return out
 
 
@@ -209,6 +245,8 @@ def test_every_supported_type_has_matmul_tests():
 @pytest.mark.parametrize("n_out, n_in", MATRIX_SHAPES, ids=lambda v: str(v))
 @pytest.mark.parametrize("qtype", MATRIX_TYPES, ids=lambda t: t.name)
 def test_matmul_matches_float64_oracle(qtype, n_out, n_in):
+    """Quantized types against float64 of the dequantized weights times the dequantized activation codes (the
+    product the integer dots define); dense types against float64 of x itself."""
     n_in = row_length(qtype, n_in)
     rng = np.random.default_rng([int(qtype), n_out, n_in])
     raw = random_matrix(qtype, n_out, n_in, rng)
@@ -216,9 +254,9 @@ def test_matmul_matches_float64_oracle(qtype, n_out, n_in):
     assert (mat.n_out, mat.n_in) == (n_out, n_in)
     w64 = gguf_dequantize(raw, qtype).astype(np.float64)
     nb = n_in // QK
-    # Per block: 32 products and sums (s), d*s, m*xsum (xsum itself a 31-add sum), one add; then nb block
-    # adds. Dense: n_in products and adds. Plus 2u for gguf-py rounding d*q + m to float32 in the oracle.
-    n_ops = QK + nb + 8 if qtype in BLOCK_DTYPES else n_in + 2
+    # Per block: the exact integer dot, then at most three roundings (m * sx, the fma with d, the fma with dx);
+    # then nb block adds. Dense: n_in products and adds. Plus 2u for gguf-py rounding d*q + m to float32 in the oracle.
+    n_ops = nb + 6 if qtype in BLOCK_DTYPES else n_in + 2
     # A nibble-order bug (elements j and j+16 of every block swapped, i.e. high and low nibble exchanged; for
     # dense weights a layout bug of the same shape): the tolerance must reject it at nearly every output.
     # (Comparing tol with max|ref| instead is not a property of the bound: for n_in random-sign terms
@@ -227,9 +265,14 @@ def test_matmul_matches_float64_oracle(qtype, n_out, n_in):
     for T in (1, 3, 5):
         x = activations(rng, T, n_in)
         got = run_matmul(mat, x)
-        ref = x.astype(np.float64) @ w64.T
+        if qtype in BLOCK_DTYPES:
+            xq, dx, _ = quantize_ref(x)
+            x64 = (xq.reshape(T, nb, QK) * dx[..., None].astype(np.float64)).reshape(T, n_in)
+        else:
+            x64 = x.astype(np.float64)
+        ref = x64 @ w64.T
         tol = n_ops * U * magnitude(qtype, raw, n_in, x)
-        caught = np.mean(np.abs(x.astype(np.float64) @ w64_bug.T - ref) > tol)
+        caught = np.mean(np.abs(x64 @ w64_bug.T - ref) > tol)
         assert caught >= 0.9, f"tolerance too loose: a nibble-order bug passes at {1 - caught:.0%} of outputs"
         assert_within(got, ref, tol, f"{qtype.name} {n_out}x{n_in} T={T}")
 
@@ -304,8 +347,8 @@ def test_kernel_fma32_is_exactly_rounded():
 
 
 def emulate_matmul_f32(qtype: Q, raw: np.ndarray, n_in: int, x: np.ndarray) -> np.ndarray:
-    """The documented summation order of the matmul kernels in float32 numpy: every + and * rounded (numpy
-    never fuses), every fma exactly rounded (:func:`fma32_emulated`)."""
+    """The documented order of the matmul kernels in float32 numpy: the block dots as exact integers, every
+    + and * rounded (numpy never fuses), every fma exactly rounded (:func:`fma32_emulated`)."""
     f = np.float32
     T = x.shape[0]
     if qtype not in BLOCK_DTYPES:  # dense: acc = acc + w[r, k] * x[t, k], k left to right, from +0
@@ -314,29 +357,18 @@ def emulate_matmul_f32(qtype: Q, raw: np.ndarray, n_in: int, x: np.ndarray) -> n
         for k in range(n_in):
             acc = acc + w[None, :, k] * x[:, k, None]
         return acc
-    codes, d, m = (None if a is None else a.astype(f) for a in block_fields(qtype, raw, n_in))  # exact in float32
-    xb = x.reshape(T, -1, QK)  # [T, nb, 32]
-    # per block: four partial sums over elements 8k .. 8k+7 in increasing order, c_k = fma(q, x, c_k) from +0
-    c = [np.zeros((T,) + codes.shape[:2], f) for _ in range(4)]  # [T, n_out, nb] each
-    for k in range(4):
-        for e in range(8 * k, 8 * k + 8):
-            c[k] = fma32_emulated(codes[None, :, :, e], xb[:, None, :, e], c[k])
-    s = (c[0] + c[1]) + (c[2] + c[3])
-    acc = np.zeros((T, codes.shape[0]), f)
-    if qtype in (Q.Q8_0, Q.Q5_0):
-        for b in range(codes.shape[1]):  # blocks left to right: acc = fma(d, s, acc)
-            acc = fma32_emulated(d[None, :, b, 0], s[:, :, b], acc)
-        return acc
-    if qtype == Q.Q6_K:
-        for b in range(codes.shape[1]):  # blocks left to right, a scale per half: acc = fma(d1, s1, fma(d0, s0, acc))
-            acc = fma32_emulated(d[None, :, b, 0], c[0][:, :, b] + c[1][:, :, b], acc)
-            acc = fma32_emulated(d[None, :, b, 1], c[2][:, :, b] + c[3][:, :, b], acc)
-        return acc
-    xsum = np.zeros(xb.shape[:2], f)  # block_sums: left to right over the block's 32 elements
-    for j in range(QK):
-        xsum = xsum + xb[:, :, j]
-    for b in range(codes.shape[1]):  # blocks left to right: acc = acc + fma(d, s, m * xsum)
-        acc = acc + fma32_emulated(d[None, :, b, 0], s[:, :, b], m[None, :, b] * xsum[:, b, None])
+    S, dx, d, m, sx = quantized_terms(qtype, raw, n_in, x)  # S: dots of signed codes (z already subtracted)
+    d = d.astype(f)
+    acc = np.zeros((T, S.shape[1]), f)
+    for b in range(S.shape[2]):  # blocks left to right
+        if qtype == Q.Q6_K:  # u = fma(d_hi, float(hi), d_lo * float(lo))
+            u = fma32_emulated(d[None, :, b, 1], S[:, :, b, 1].astype(f), d[None, :, b, 0] * S[:, :, b, 0].astype(f))
+        elif m is None:  # u = d * float(lo + hi)
+            u = d[None, :, b, 0] * S[:, :, b].sum(axis=2).astype(f)
+        else:  # u = fma(d, float(lo + hi), m * float(s0 + s1))
+            mx = m.astype(f)[None, :, b] * sx[:, b].sum(axis=1).astype(f)[:, None]
+            u = fma32_emulated(d[None, :, b, 0], S[:, :, b].sum(axis=2).astype(f), mx)
+        acc = fma32_emulated(dx[:, b, None], u, acc)  # acc = fma(dx, u, acc)
     return acc
 
 
@@ -382,18 +414,29 @@ def test_matmul_same_bytes_at_one_and_two_threads(qtype, restore_threads):
 # ---- block sums, rmsnorm, swiglu, add -----------------------------------------------------------------
 
 
-def test_block_sums_matches_float64_and_left_to_right_order():
+def test_quantize_blocks_follows_its_definition_and_reconstructs_x():
     rng = np.random.default_rng(1)
     x = activations(rng, 5, 1536)
-    out = np.full((5, 1536 // QK), np.nan, np.float32)
-    kernels.block_sums(x, out)
-    xb = x.reshape(5, -1, QK)
-    ref = xb.astype(np.float64).sum(axis=2)
-    assert_within(out, ref, QK * U * np.abs(xb.astype(np.float64)).sum(axis=2), "block_sums")
-    seq = np.zeros((5, 1536 // QK), np.float32)
-    for j in range(QK):
-        seq = seq + xb[:, :, j]
-    assert_bytes_equal(out, seq, "block_sums vs left-to-right float32 sum")
+    x[1, 64:96] = 0.0  # an all-zero block: codes 0, scale 0
+    x[2, 32:64] *= 1e-30  # tiny values: still 127 steps of the block's own scale
+    x[3, 0] = np.inf  # non-finite blocks: codes 0, scale NaN (NaN outputs, as float arithmetic would give)
+    x[4, 40] = np.nan
+    a = weights.Activations.of(x)
+    xq, dx, sx = quantize_ref(x)
+    assert_bytes_equal(a.dx, dx, "block scales vs their definition")
+    assert np.array_equal(a.xq, xq) and np.array_equal(a.sx, sx), "codes or half sums differ from the definition"
+    finite = np.isfinite(dx)
+    assert not finite[3, 0] and not finite[4, 1] and finite.sum() == finite.size - 2
+    assert dx[1, 2] == 0 and not xq[1, 64:96].any() and not xq[3, :32].any() and np.abs(xq).max() == 127
+    # every finite element within half a step of its code (plus the rounding of x * inv), per block
+    xb = x.reshape(5, -1, QK).astype(np.float64)
+    err = np.abs(xb - xq.reshape(5, -1, QK) * dx[..., None].astype(np.float64))
+    step = dx[..., None].astype(np.float64)
+    assert (err[finite] <= (0.5 + 1e-5) * step[finite]).all()
+    # negative control: codes rounded down instead of to nearest break the half-step bound
+    with np.errstate(divide="ignore", invalid="ignore"):
+        down = np.floor(xb * (127 / np.abs(xb).max(axis=2, keepdims=True)))
+    assert not (np.abs(xb - down * step)[finite] <= (0.5 + 1e-5) * step[finite]).all()
 
 
 def test_rmsnorm_matches_float64():
@@ -612,4 +655,7 @@ def test_matrix_repacked_in_slices_equals_one_repacked_whole(tmp_path, monkeypat
     whole = QMatrix.from_raw(name, info.ggml_type, mf.read_tensor(name), info.shape[1])
     assert info.shape[0] == 299 and (sliced.kind, sliced.n_out) == (whole.kind, whole.n_out)
     for a, b in zip(sliced.arrays, whole.arrays, strict=True):
-        assert (a is None and b is None) or (a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes())
+        if isinstance(a, np.ndarray):
+            assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+        else:
+            assert a == b  # None (no such array) or the zero point
