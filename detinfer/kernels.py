@@ -147,67 +147,111 @@ def _dot4(builder, tier, acc, a, b, signed):
         wd = "llvm.x86.avx512.pmaddw.d.512" if tier == "avx512bw" else "llvm.x86.avx2.pmadd.wd"
         pairs = _x86(builder, ubs, _vec(_I16, 2 * n), [builder.bitcast(a, bv), builder.bitcast(b, bv)])
         return builder.add(acc, _x86(builder, wd, acc.type, [pairs, ir.Constant(_vec(_I16, 2 * n), [1] * 2 * n)]))
-    wide = _vec(_I32, 4 * n)
-    p = builder.mul(builder.zext(builder.bitcast(a, bv), wide), builder.sext(builder.bitcast(b, bv), wide))
-    part = [builder.shuffle_vector(p, p, ir.Constant(_vec(_I32, n), [4 * l + i for l in range(n)])) for i in range(4)]
-    return builder.add(acc, builder.add(builder.add(part[0], part[1]), builder.add(part[2], part[3])))
+    # plain IR: products in 16 bits (|a b| <= 128 * 127), then pairs and quads of lanes added in 32 bits
+    w16 = _vec(_I16, 4 * n)
+    p = builder.mul(builder.zext(builder.bitcast(a, bv), w16), builder.sext(builder.bitcast(b, bv), w16))
+    half = [builder.sext(builder.shuffle_vector(p, p, ir.Constant(_vec(_I32, 2 * n), [2 * l + i for l in range(2 * n)])),
+                         _vec(_I32, 2 * n)) for i in range(2)]  # fmt: skip
+    pairs = builder.add(half[0], half[1])
+    quad = [builder.shuffle_vector(pairs, pairs, ir.Constant(_vec(_I32, n), [2 * l + i for l in range(n)])) for i in range(2)]
+    return builder.add(acc, builder.add(quad[0], quad[1]))
 
 
-def _make_idot(nt):
-    """An intrinsic idot(qb, xb, lo, hi): exact integer dots of one block of ROWS rows for ``nt`` tokens, the
-    weight vectors loaded and unpacked once for all of them: lo[t*ROWS + r] = sum_{e<16} c[r, e] * xq[t, e] and
-    hi[t*ROWS + r] = sum_{e>=16} c[r, e] * xq[t, e], int32 (|sum| < 2^21).
-    xb: int8 [nt, 32] activation codes (rows may be strided); lo, hi: int32 [nt*ROWS]; qb: one block of a row
-    group (see :func:`matmul_q`):
-      - uint32 [4*ROWS] packed nibbles: byte i of word g*ROWS + r holds codes e = 4g + i (low nibble) and
-        16 + 4g + i (high nibble) of row r;
-      - uint8 [32*ROWS] unsigned codes (0..63), int8 [32*ROWS] signed codes: byte i of word g*ROWS + r (words
-        of 4 bytes) is code e = 4g + i of row r."""
+def _make_qblock(nt):
+    """An intrinsic qblock(qb, xb, at, db, hb, mb, z, dxs, sxs): one block of a row group for ``nt`` tokens, the
+    whole per-block step of :func:`matmul_q` in vector registers. The weight vectors are loaded and unpacked once
+    for all ``nt`` tokens; per token t and row r the exact integer dots lo = sum_{e<16} c[r, e] xq[t, e] and
+    hi = sum_{e>=16} c[r, e] xq[t, e] (int32, |lo + hi| < 2^21), then at[t*ROWS + r] = fma(dx, u, at[t*ROWS + r])
+    with u as in :func:`matmul_q`.
+    qb: one block of the row group: uint32 [4*ROWS] packed nibbles (byte i of word g*ROWS + r holds codes
+    e = 4g + i in its low nibble and 16 + 4g + i in its high nibble, of row r), or uint8 [32*ROWS] unsigned codes
+    (0..63) / int8 [32*ROWS] signed codes (byte i of word g*ROWS + r is code e = 4g + i of row r);
+    xb: int8 [nt, 32] activation codes; at: float32 [nt*ROWS] accumulators; db, hb, mb: float32 [ROWS] the
+    block's d, d_hi (or None) and m (or None); z: int zero point; dxs: float32 [nt] activation scales;
+    sxs: int32 [nt, 2] the activation codes' half sums (rows of xb, dxs, sxs may be strided)."""
 
     @intrinsic
-    def idot(typingctx, qb, xb, lo, hi):
+    def qblock(typingctx, qb, xb, at, db, hb, mb, z, dxs, sxs):
         nibbles = qb.dtype == types.uint32
         signed = qb.dtype == types.int8
+        halves = not isinstance(hb, types.NoneType)
+        offset = not isinstance(mb, types.NoneType)
 
         def codegen(context, builder, sig, args):
             tier = jit.int_dot_tier()
             n = 8 if tier == "avx2" else 16
-            vt = _vec(_I32, n)
-            arrays = [context.make_array(t)(context, builder, a) for t, a in zip(sig.args, args)]
-            q, lo_p, hi_p = (builder.bitcast(arrays[i].data, _I32.as_pointer()) for i in (0, 2, 3))
-            x0 = builder.bitcast(arrays[1].data, _I8.as_pointer())
-            row_bytes = cgutils.unpack_tuple(builder, arrays[1].strides, 2)[0]
-            xs = []  # xs[t][g]: token t's activation bytes 4g .. 4g+3 in every lane
+            vi, vf = _vec(_I32, n), _vec(ir.FloatType(), n)
+            arr = {i: context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 1, 2, 3, 4, 5, 7, 8)
+                   if not isinstance(sig.args[i], types.NoneType)}  # fmt: skip
+
+            def ptr(i, ty):
+                return builder.bitcast(arr[i].data, ty.as_pointer())
+
+            def row(i, t, ty):  # element pointer of row t of a strided array
+                stride = cgutils.unpack_tuple(builder, arr[i].strides, arr[i].strides.type.count)[0]
+                p = builder.gep(builder.bitcast(arr[i].data, _I8.as_pointer()), [builder.mul(stride, stride.type(t))])
+                return builder.bitcast(p, ty.as_pointer())
+
+            def vload(p, off, ty):
+                return builder.load(builder.bitcast(builder.gep(p, [_I32(off)]), ty.as_pointer()), align=1)
+
+            def splat_f(v):
+                u = builder.insert_element(ir.Constant(vf, ir.Undefined), v, _I32(0))
+                return builder.shuffle_vector(u, u, ir.Constant(vi, [0] * n))
+
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{n}f32")
+            q, at = ptr(0, _I32), ptr(2, ir.FloatType())
+            zi = builder.trunc(args[6], _I32) if args[6].type.width > 32 else args[6]
+            xs, dx, s = [], [], []
             for t in range(nt):
-                xt = builder.bitcast(builder.gep(x0, [builder.mul(row_bytes, row_bytes.type(t))]), _I32.as_pointer())
+                xt = row(1, t, _I32)
                 xs.append([_splat(builder, builder.load(builder.gep(xt, [_I32(i)]), align=1), n) for i in range(8)])
-            mask = ir.Constant(vt, [0x0F0F0F0F] * n)
-            zero = ir.Constant(vt, [0] * n)
+                dx.append(splat_f(builder.load(row(7, t, ir.FloatType()))))
+                st = row(8, t, _I32)
+                s.append([builder.load(builder.gep(st, [_I32(h)])) for h in range(2)])
+            mask = ir.Constant(vi, [0x0F0F0F0F] * n)
+            zero = ir.Constant(vi, [0] * n)
+            n_acc = 2 if halves else 1
             for r0 in range(0, ROWS, n):
-                acc = [[zero, zero] for _ in range(nt)]
+                acc = [[zero] * n_acc for _ in range(nt)]
                 for g in range(4 if nibbles else 8):
-                    v = builder.load(builder.bitcast(builder.gep(q, [_I32(g * ROWS + r0)]), vt.as_pointer()), align=1)
+                    v = vload(q, g * ROWS + r0, vi)
                     if nibbles:
                         parts = ((0, g, builder.and_(v, mask)),
-                                 (1, 4 + g, builder.and_(builder.lshr(v, ir.Constant(vt, [4] * n)), mask)))
+                                 (1, 4 + g, builder.and_(builder.lshr(v, ir.Constant(vi, [4] * n)), mask)))
                     else:
                         parts = ((g // 4, g, v),)
                     for half, xg, codes in parts:
+                        h = half if halves else 0
                         for t in range(nt):
-                            acc[t][half] = _dot4(builder, tier, acc[t][half], codes, xs[t][xg], signed)
+                            acc[t][h] = _dot4(builder, tier, acc[t][h], codes, xs[t][xg], signed)
+                d = vload(ptr(3, ir.FloatType()), r0, vf)
+                dh = vload(ptr(4, ir.FloatType()), r0, vf) if halves else None
+                m = vload(ptr(5, ir.FloatType()), r0, vf) if offset else None
                 for t in range(nt):
-                    for out_p, a in zip((lo_p, hi_p), acc[t]):
-                        builder.store(a, builder.bitcast(builder.gep(out_p, [_I32(t * ROWS + r0)]), vt.as_pointer()), align=1)
+                    s0, s1 = s[t]
+                    if halves:  # u = fma(d_hi, float(hi - z s1), d * float(lo - z s0))
+                        lo = builder.sub(acc[t][0], _splat(builder, builder.mul(zi, s0), n))
+                        hi = builder.sub(acc[t][1], _splat(builder, builder.mul(zi, s1), n))
+                        u = builder.call(fma, [dh, builder.sitofp(hi, vf), builder.fmul(d, builder.sitofp(lo, vf))])
+                    elif offset:  # u = fma(d, float(lo + hi), m * float(s0 + s1))
+                        ms = builder.fmul(m, splat_f(builder.sitofp(builder.add(s0, s1), ir.FloatType())))
+                        u = builder.call(fma, [d, builder.sitofp(acc[t][0], vf), ms])
+                    else:  # u = d * float(lo + hi - z (s0 + s1))
+                        zs = _splat(builder, builder.mul(zi, builder.add(s0, s1)), n)
+                        u = builder.fmul(d, builder.sitofp(builder.sub(acc[t][0], zs), vf))
+                    pa = builder.bitcast(builder.gep(at, [_I32(t * ROWS + r0)]), vf.as_pointer())
+                    builder.store(builder.call(fma, [dx[t], u, builder.load(pa, align=1)]), pa, align=1)
             return context.get_dummy_value()
 
-        return types.none(qb, xb, lo, hi), codegen
+        return types.none(qb, xb, at, db, hb, mb, z, dxs, sxs), codegen
 
-    return idot
+    return qblock
 
 
-TOKENS = 4  # tokens per _idot4 call in a chunk
-_idot4 = _make_idot(TOKENS)
-_idot1 = _make_idot(1)
+TOKENS = 4  # tokens per _qblock4 call in a chunk
+_qblock4 = _make_qblock(TOKENS)
+_qblock1 = _make_qblock(1)
 
 
 MAGIC = np.float32(12582912.0)  # 1.5 * 2^23: (v + MAGIC) - MAGIC is float32 v rounded to an integer (ties to even), |v| < 2^22
@@ -252,45 +296,13 @@ def quantize_blocks(x, xq, dx, sx):
                 st[2 * b + h] = s
 
 
-def _block_step(at, lo, hi, db, hb, mb, z, dxt, s0, s1):
-    """at[r] plus one block's term for every row r, in the order of :func:`matmul_q` (s0, s1: the block's
-    half sums of activation codes)."""
-
-
-@overload(_block_step, inline="always")
-def _block_step_impl(at, lo, hi, db, hb, mb, z, dxt, s0, s1):
-    if not isinstance(hb, types.NoneType):  # Q6_K: a scale per 16 elements
-
-        def impl_halves(at, lo, hi, db, hb, mb, z, dxt, s0, s1):
-            z0, z1 = z * s0, z * s1
-            for r in range(at.shape[0]):
-                at[r] = fma32(dxt, fma32(hb[r], np.float32(hi[r] - z1), db[r] * np.float32(lo[r] - z0)), at[r])
-
-        return impl_halves
-    if isinstance(mb, types.NoneType):  # one scale, zero point z
-
-        def impl_zero(at, lo, hi, db, hb, mb, z, dxt, s0, s1):
-            zs = z * (s0 + s1)
-            for r in range(at.shape[0]):
-                at[r] = fma32(dxt, db[r] * np.float32(lo[r] + hi[r] - zs), at[r])
-
-        return impl_zero
-
-    def impl_offset(at, lo, hi, db, hb, mb, z, dxt, s0, s1):
-        s = np.float32(s0 + s1)
-        for r in range(at.shape[0]):
-            at[r] = fma32(dxt, fma32(db[r], np.float32(lo[r] + hi[r]), mb[r] * s), at[r])
-
-    return impl_offset
-
-
 @njit(cache=True, parallel=True)
 def matmul_q(qs, d, d_hi, m, z, xq, dx, sx, out):
     """out[T, n_out] = x @ W.T for block-quantized weights (every GGUF type detinfer reads but F32/F16/BF16), from
     the activation codes of :func:`quantize_blocks` (xq int8 [T, n_in], dx float32 [T, nb], sx int32 [T, 2 nb]).
 
     Weights, per row and 32-element block: element e = d * (c_e - z) + m (ggml-quants.c ``dequantize_row_*``;
-    weights.QMatrix gives each type's c, z, d, m), repacked for the integer dots (see :func:`_make_idot`) as
+    weights.QMatrix gives each type's c, z, d, m), repacked for the integer dots (see :func:`_make_qblock`) as
     qs [G, nb, ...]: uint32 packed nibbles (4-bit codes), uint8 (5- and 6-bit codes) or int8 (Q8_0's signed
     codes); d float32 [G, nb, ROWS] (for Q6_K the scale of elements 0-15 and d_hi that of 16-31, else d_hi None);
     m float32 [G, nb, ROWS] or None; z: int zero point (0 with m).
@@ -310,8 +322,6 @@ def matmul_q(qs, d, d_hi, m, z, xq, dx, sx, out):
         n = min(ROWS, n_out - row0)
         qg, dg, hg, mg = qs[g], d[g], _sub(d_hi, g), _sub(m, g)
         acc = np.zeros(T * ROWS, np.float32)
-        lo = np.empty(TOKENS * ROWS, np.int32)
-        hi = np.empty(TOKENS * ROWS, np.int32)
         for b in range(nb):
             _prefetch_rows(qg, b + PREFETCH_BLOCKS)
             _prefetch_rows(dg, b + PREFETCH_BLOCKS)
@@ -319,17 +329,14 @@ def matmul_q(qs, d, d_hi, m, z, xq, dx, sx, out):
             _prefetch_rows(mg, b + PREFETCH_BLOCKS)
             qb, db, hb, mb = qg[b], dg[b], _sub(hg, b), _sub(mg, b)
             t = 0
+            while t + TOKENS <= T:
+                _qblock4(qb, xq[t : t + TOKENS, b * QK : b * QK + QK], acc[t * ROWS : (t + TOKENS) * ROWS], db, hb,
+                         mb, z, dx[t : t + TOKENS, b], sx[t : t + TOKENS, 2 * b : 2 * b + 2])  # fmt: skip
+                t += TOKENS
             while t < T:
-                nt = TOKENS if t + TOKENS <= T else 1
-                if nt == TOKENS:
-                    _idot4(qb, xq[t : t + TOKENS, b * QK : b * QK + QK], lo, hi)
-                else:
-                    _idot1(qb, xq[t : t + 1, b * QK : b * QK + QK], lo, hi)
-                for u in range(nt):
-                    _block_step(acc[(t + u) * ROWS : (t + u + 1) * ROWS], lo[u * ROWS : (u + 1) * ROWS],
-                                hi[u * ROWS : (u + 1) * ROWS], db, hb, mb, z, dx[t + u, b], sx[t + u, 2 * b],
-                                sx[t + u, 2 * b + 1])  # fmt: skip
-                t += nt
+                _qblock1(qb, xq[t : t + 1, b * QK : b * QK + QK], acc[t * ROWS : (t + 1) * ROWS], db, hb, mb, z,
+                         dx[t : t + 1, b], sx[t : t + 1, 2 * b : 2 * b + 2])  # fmt: skip
+                t += 1
         for t in range(T):
             o = out[t, row0 : row0 + n]
             at = acc[t * ROWS : t * ROWS + ROWS]
