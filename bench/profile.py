@@ -38,6 +38,8 @@ TEXT = " ".join(f"item {i}: the quick brown fox jumps over the lazy dog." for i 
 KERNEL_GROUPS = {
     "attention": "attention", "rmsnorm": "norms", "rmsnorm_heads": "norms", "rope_norm": "RoPE", "rope_neox": "RoPE",
     "swiglu": "activation", "geglu": "activation", "kv_write": "KV write", "quantize_blocks": "activation codes",
+    "rmsnorm_tokens": "norms", "rmsnorm_heads_tokens": "norms", "kv_write_tokens": "KV write",
+    "quantize_blocks_tokens": "activation codes",
     "add_inplace": "add / bias", "add_bias": "add / bias",
 }
 
@@ -67,6 +69,8 @@ def install(profile: Profile, eng: Engine) -> None:
     engine_mod.dequantize_row = profile.timed("embedding row", engine_mod.dequantize_row)
     eng._rope = profile.timed("RoPE", eng._rope)
     eng._ffn_act = profile.timed("activation", eng._ffn_act)
+    eng._rope_tokens = profile.timed("RoPE", eng._rope_tokens)
+    eng._ffn_act_tokens = profile.timed("activation", eng._ffn_act_tokens)
     call = QMatrix.__call__
 
     def matmul(self, x, xq, out):

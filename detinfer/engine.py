@@ -7,6 +7,7 @@ one-token decode all produce the same bytes for the same token at the same posit
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Sequence
@@ -79,6 +80,9 @@ class Engine:
         arch = ARCHITECTURES[cfg.arch]
         self._rope = kernels.rope_neox if arch.rope_style == "neox" else kernels.rope_norm
         self._ffn_act = kernels.geglu if arch.activation == "gelu_tanh" else kernels.swiglu
+        # chunks (T > 1) run them token by token in parallel (same bytes: tokens are independent there)
+        self._rope_tokens = functools.partial(kernels.rope_tokens, self._rope)
+        self._ffn_act_tokens = functools.partial(kernels.ffn_act_tokens, self._ffn_act)
         # gemma3 scales embeddings by sqrtf(n_embd) (llama.cpp src/models/gemma3.cpp); None: no scaling.
         self._embd_scale = np.float32(np.sqrt(np.float32(cfg.n_embd))) if arch.embd_scale else None
         # Per layer: (cos, sin) RoPE tables [n_ctx, head_dim / 2] of the layer's base, and its window (0: none).
@@ -131,7 +135,7 @@ class Engine:
         """The 8-bit block codes of a matmul input x (float32 [T', n]; rows: which scratch rows it fills)."""
         nb = x.shape[1] // kernels.QK
         a = Activations(s.xq[rows, : x.shape[1]], s.dx[rows, :nb], s.sx[rows, : 2 * nb])
-        kernels.quantize_blocks(x, *a)
+        (kernels.quantize_blocks_tokens if x.shape[0] > 1 else kernels.quantize_blocks)(x, *a)
         return a
 
     def forward(
@@ -177,36 +181,42 @@ class Engine:
         positions = np.arange(pos0, pos0 + T, dtype=np.int64)
         qw, kvw = cfg.n_head * cfg.head_dim, cfg.kv_width
         eps = np.float32(cfg.rms_norm_eps)
+        chunk = T > 1  # per-token kernels: tokens in parallel for a chunk, plain calls for one token
+        norm = kernels.rmsnorm_tokens if chunk else kernels.rmsnorm
+        norm_heads = kernels.rmsnorm_heads_tokens if chunk else kernels.rmsnorm_heads
+        rope = self._rope_tokens if chunk else self._rope
+        kv_write = kernels.kv_write_tokens if chunk else kernels.kv_write
+        ffn_act = self._ffn_act_tokens if chunk else self._ffn_act
         for t in range(T):
             dequantize_row(int(w.token_embd_type), w.token_embd[ids[t]], s.x[t])
         if self._embd_scale is not None:
             s.x *= self._embd_scale  # one float32 multiply per element
         for li, layer in enumerate(w.layers):
-            kernels.rmsnorm(s.x, layer.attn_norm, eps, s.xn)
+            norm(s.x, layer.attn_norm, eps, s.xn)
             layer.attn_qkv(s.xn, self._codes(s, s.xn), s.qkv)
             if layer.attn_qkv_bias is not None:
                 kernels.add_bias(s.qkv, layer.attn_qkv_bias)
             q, k, v = s.qkv[:, :qw], s.qkv[:, qw : qw + kvw], s.qkv[:, qw + kvw :]
             if layer.attn_q_norm is not None:
-                kernels.rmsnorm_heads(q.reshape(T, cfg.n_head, cfg.head_dim), layer.attn_q_norm, eps)
-                kernels.rmsnorm_heads(k.reshape(T, cfg.n_head_kv, cfg.head_dim), layer.attn_k_norm, eps)
+                norm_heads(q.reshape(T, cfg.n_head, cfg.head_dim), layer.attn_q_norm, eps)
+                norm_heads(k.reshape(T, cfg.n_head_kv, cfg.head_dim), layer.attn_k_norm, eps)
             cos, sin = self._layer_rope[li]
-            self._rope(q, positions, cfg.n_head, cfg.head_dim, cos, sin)
-            self._rope(k, positions, cfg.n_head_kv, cfg.head_dim, cos, sin)
-            kernels.kv_write(cache.k[li], cache.v[li], k, v, pos0)
+            rope(q, positions, cfg.n_head, cfg.head_dim, cos, sin)
+            rope(k, positions, cfg.n_head_kv, cfg.head_dim, cos, sin)
+            kv_write(cache.k[li], cache.v[li], k, v, pos0)
             kernels.attention(
                 q, cache.k[li], cache.v[li], pos0, cfg.n_head, self.attn_scale, cache.lut, s.attn, self._layer_window[li]
             )
             layer.attn_output(s.attn, self._codes(s, s.attn), s.proj)
             if layer.post_attention_norm is not None:
-                kernels.rmsnorm(s.proj, layer.post_attention_norm, eps, s.proj)
+                norm(s.proj, layer.post_attention_norm, eps, s.proj)
             kernels.add_inplace(s.x, s.proj)
-            kernels.rmsnorm(s.x, layer.ffn_norm, eps, s.xn)
+            norm(s.x, layer.ffn_norm, eps, s.xn)
             layer.ffn_gate_up(s.xn, self._codes(s, s.xn), s.gate_up)
-            self._ffn_act(s.gate_up[:, : cfg.n_ff], s.gate_up[:, cfg.n_ff :], s.ffn)
+            ffn_act(s.gate_up[:, : cfg.n_ff], s.gate_up[:, cfg.n_ff :], s.ffn)
             layer.ffn_down(s.ffn, self._codes(s, s.ffn), s.proj)
             if layer.post_ffw_norm is not None:
-                kernels.rmsnorm(s.proj, layer.post_ffw_norm, eps, s.proj)
+                norm(s.proj, layer.post_ffw_norm, eps, s.proj)
             kernels.add_inplace(s.x, s.proj)
         cache.tokens.extend(int(i) for i in ids)
         if logits is None:

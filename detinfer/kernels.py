@@ -630,3 +630,51 @@ def geglu(gate, up, out):
             g = gt[i]
             y = (SQRT_2_OVER_PI * g) * (np.float32(1.0) + (GELU_COEF_A * g) * g)
             ot[i] = (g / (np.float32(1.0) + exp32(-(np.float32(2.0) * y)))) * ut[i]
+
+
+# --- chunks: the per-token kernels above, run token by token in parallel -----------------------------------
+# Tokens of a chunk are independent in these kernels, so each token runs exactly its one-token sequence (same
+# bytes) on whichever thread. Decode (T = 1) calls the kernels above directly: a parallel launch per call would
+# cost more than the work.
+
+
+@njit(cache=True, parallel=True)
+def quantize_blocks_tokens(x, xq, dx, sx):
+    """:func:`quantize_blocks`, tokens in parallel."""
+    for t in prange(x.shape[0]):
+        quantize_blocks(x[t : t + 1], xq[t : t + 1], dx[t : t + 1], sx[t : t + 1])
+
+
+@njit(cache=True, parallel=True)
+def rmsnorm_tokens(x, w, eps, out):
+    """:func:`rmsnorm`, tokens in parallel."""
+    for t in prange(x.shape[0]):
+        rmsnorm(x[t : t + 1], w, eps, out[t : t + 1])
+
+
+@njit(cache=True, parallel=True)
+def rmsnorm_heads_tokens(x, w, eps):
+    """:func:`rmsnorm_heads`, tokens in parallel."""
+    for t in prange(x.shape[0]):
+        rmsnorm_heads(x[t : t + 1], w, eps)
+
+
+@njit(cache=True, parallel=True)
+def rope_tokens(rope, x, positions, n_head, head_dim, cos, sin):
+    """``rope`` (:func:`rope_norm` or :func:`rope_neox`), tokens in parallel."""
+    for t in prange(x.shape[0]):
+        rope(x[t : t + 1], positions[t : t + 1], n_head, head_dim, cos, sin)
+
+
+@njit(cache=True, parallel=True)
+def kv_write_tokens(k_cache, v_cache, k, v, pos0):
+    """:func:`kv_write`, tokens in parallel."""
+    for t in prange(k.shape[0]):
+        kv_write(k_cache, v_cache, k[t : t + 1], v[t : t + 1], pos0 + t)
+
+
+@njit(cache=True, parallel=True)
+def ffn_act_tokens(act, gate, up, out):
+    """``act`` (:func:`swiglu` or :func:`geglu`), tokens in parallel."""
+    for t in prange(gate.shape[0]):
+        act(gate[t : t + 1], up[t : t + 1], out[t : t + 1])
