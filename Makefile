@@ -120,7 +120,7 @@ bench: pull $(patsubst %,$(PEERS_DIR)/llama-cpp-%/BUILD,$(subst $(comma), ,$(BEN
 # Where the time goes (bench/profile.py): every kernel call of a real prefill of 512 tokens and 64 decode steps, both
 # models at 1 and 2 threads, as a section of docs/benchmarks.md beside PROFILE_BEFORE (the same run on the commit this
 # issue started from); about 5 min on an otherwise idle 2-core machine.
-PROFILE_BEFORE ?= bench/profile-b4c2d52.json
+PROFILE_BEFORE ?= bench/profile-468ce09.json
 profile: pull
 	$(BIN)/detinfer pull gemma3-270m-q4_k_m
 	$(BIN)/python bench/profile.py --out bench/profile.json --markdown docs/benchmarks.md \
