@@ -6,8 +6,8 @@ Rules that make every output bit-identical across thread counts, prefill chunk s
 - ``prange`` runs only over independent outputs (row groups, heads x tokens), never over a sum.
 - Every reduction is written out in the source in a fixed order (sequential, or a fixed number of partial sums
   combined in a fixed tree); no fastmath (LLVM never contracts or reassociates), no BLAS, no ``np.dot``.
-- Fused multiply-adds appear only as explicit :func:`fma32` calls (``llvm.fma.f32``, one rounding on every
-  target) and are part of the documented order; the quantized matmuls use them.
+- Fused multiply-adds appear only as explicit ``llvm.fma`` calls (one rounding on every target) and are part of
+  the documented order: the quantized matmuls' block step uses its vector form (``llvm.fma.v16f32``).
 - The quantized matmuls (:func:`matmul_q`) sum each block's products of integer codes exactly in int32, so the
   instructions that do it (VNNI, AVX2, plain IR: ``jit.int_dot_tier``) cannot move a bit; only the float steps
   after each block are ordered. Their matrices are repacked at load so that a group of ``ROWS`` output rows is
@@ -35,7 +35,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from . import jit
-from .numerics import exp32, fma32, pow64, sincos64
+from .numerics import exp32, pow64, sincos64
 from .quants import f32_to_f16_bits
 
 # Benchmark only (detinfer.bench measures the cost of the contract): DETINFER_BENCH_FASTMATH=1, read once at import,
@@ -306,7 +306,7 @@ def matmul_q(qs, d, d_hi, m, z, xq, dx, sx, out):
     qs [G, nb, ...]: uint32 packed nibbles (4-bit codes), uint8 (5- and 6-bit codes) or int8 (Q8_0's signed
     codes); d float32 [G, nb, ROWS] (for Q6_K the scale of elements 0-15 and d_hi that of 16-31, else d_hi None);
     m float32 [G, nb, ROWS] or None; z: int zero point (0 with m).
-    Order per output (float32, fma = one rounding, :func:`fma32`): per block b, the exact integers
+    Order per output (float32, fma = one rounding, ``llvm.fma``): per block b, the exact integers
     lo = sum_{e<16} c_e xq_e and hi = sum_{e>=16} c_e xq_e (in any order: they are exact), s0, s1 = sx[t, 2b],
     sx[t, 2b + 1], then
       u = fma(d, float(lo + hi), m * float(s0 + s1))        with an offset m (Q4_1, Q4_K, Q5_1, Q5_K),

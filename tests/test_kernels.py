@@ -22,6 +22,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from detinfer import kernels, weights
 from detinfer.gguf_file import SUPPORTED_TYPES, ModelFile
+from detinfer.numerics import fma32
 from detinfer.quants import F16_TO_F32
 from detinfer.weights import QMatrix
 
@@ -335,15 +336,15 @@ def test_fma32_emulation_is_exactly_rounded():
 @numba.njit(cache=False)
 def _fma32_elementwise(a, b, c, out):
     for i in range(a.shape[0]):
-        out[i] = kernels.fma32(a[i], b[i], c[i])
+        out[i] = fma32(a[i], b[i], c[i])
 
 
 def test_kernel_fma32_is_exactly_rounded():
-    """kernels.fma32 (llvm.fma.f32) is one rounding, as its docstring says: equal to the emulation."""
+    """numerics.fma32 (llvm.fma.f32) is one rounding, as its docstring says: equal to the emulation."""
     a, b, c = fma_test_triples(np.random.default_rng(11), 20000)
     out = np.full_like(a, np.nan)
     _fma32_elementwise(a, b, c, out)
-    assert_bytes_equal(out, fma32_emulated(a, b, c), "kernels.fma32 vs exactly rounded fma")
+    assert_bytes_equal(out, fma32_emulated(a, b, c), "fma32 vs exactly rounded fma")
 
 
 def emulate_matmul_f32(qtype: Q, raw: np.ndarray, n_in: int, x: np.ndarray) -> np.ndarray:
