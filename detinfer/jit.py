@@ -69,10 +69,10 @@ def int_dot_tier() -> str:
     elif name in _AVX2_CPUS:
         have.add("avx2")
     have |= {f for f, on in flags.items() if on}
-    for f, implied in (("avx2", ("avx512f", "avx512bw", "avx512vnni")), ("avx512f", ("avx512bw", "avx512vnni")),
-                       ("avx512bw", ("avx512vnni",))):
-        if flags.get(f) is False:
-            have -= {f, *implied}
+    implies = {"avx2": {"avx512f", "avx512bw", "avx512vnni"}, "avx512f": {"avx512bw", "avx512vnni"}}
+    for f, on in flags.items():
+        if not on:  # a feature turned off, and (as in LLVM) every feature that needs it
+            have -= {f, *implies.get(f, ())}
     if {"avx512bw", "avx512vnni"} <= have and "avx2" in have:
         return "vnni512"
     if "avx512bw" in have and "avx2" in have:
