@@ -21,6 +21,7 @@ import argparse
 import json
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -62,8 +63,11 @@ class Profile:
         return wrapper
 
 
-def install(profile: Profile, eng: Engine) -> None:
-    """Wrap the kernels the engine calls (module attributes, the engine's bound RoPE/activation, QMatrix calls)."""
+def install(profile: Profile, eng: Engine) -> Callable[[], None]:
+    """Wrap the kernels the engine calls (module attributes, the engine's bound RoPE/activation, QMatrix calls);
+    returns what undoes the module-level wrapping (the next model's kernels must compile against the real ones)."""
+    saved = {name: getattr(kernels, name) for name in KERNEL_GROUPS} | {"dequantize_row": engine_mod.dequantize_row}
+    call = QMatrix.__call__
     for name, group in KERNEL_GROUPS.items():
         setattr(kernels, name, profile.timed(group, getattr(kernels, name)))
     engine_mod.dequantize_row = profile.timed("embedding row", engine_mod.dequantize_row)
@@ -71,7 +75,6 @@ def install(profile: Profile, eng: Engine) -> None:
     eng._ffn_act = profile.timed("activation", eng._ffn_act)
     eng._rope_tokens = profile.timed("RoPE", eng._rope_tokens)
     eng._ffn_act_tokens = profile.timed("activation", eng._ffn_act_tokens)
-    call = QMatrix.__call__
 
     def matmul(self, x, xq, out):
         key = f"matmul {self.ggml_type.name}" + (" (output)" if self.name in ("output.weight", "token_embd.weight") else "")
@@ -81,6 +84,13 @@ def install(profile: Profile, eng: Engine) -> None:
         profile.calls[key] += 1
 
     QMatrix.__call__ = matmul
+
+    def undo() -> None:
+        for name, fn in saved.items():
+            setattr(engine_mod if name == "dequantize_row" else kernels, name, fn)
+        QMatrix.__call__ = call
+
+    return undo
 
 
 @njit(cache=True)
@@ -167,13 +177,14 @@ def measure(args: argparse.Namespace) -> dict:
         cache = eng.new_cache()
         eng.forward(eng.forward(ids[:64], cache).argmax(keepdims=True).tolist(), cache)  # compile before wrapping:
         profile = Profile()  # an njit caller compiled after install would see the Python wrapper, not the kernel
-        install(profile, eng)
+        undo = install(profile, eng)
         for th in [int(t) for t in args.threads.split(",")]:
             set_threads(th)
             eng.forward(ids[:64], eng.new_cache())  # compile and warm up at this thread count
             result = phase(eng, profile, ids, args.prefill, args.decode, args.reps)
             runs.append({"model": model, "threads": th} | result)
             print(f"{model} {th} thread(s): prefill {result['prefill']['tok_s']:.1f} tok/s, decode {result['decode']['tok_s']:.1f} tok/s", flush=True)
+        undo()
     return {"label": args.label, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "reps": args.reps,
             "machine": describe(machine()), "dispatch_us": 1e6 * dispatch_seconds(), "runs": runs}
 

@@ -7,7 +7,6 @@ one-token decode all produce the same bytes for the same token at the same posit
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 from typing import Sequence
@@ -78,11 +77,12 @@ class Engine:
         self.chat_template = ChatTemplate.from_model(model_file)
         self.weights = Weights.load(model_file, cfg)
         arch = ARCHITECTURES[cfg.arch]
-        self._rope = kernels.rope_neox if arch.rope_style == "neox" else kernels.rope_norm
-        self._ffn_act = kernels.geglu if arch.activation == "gelu_tanh" else kernels.swiglu
+        neox, gelu = arch.rope_style == "neox", arch.activation == "gelu_tanh"
+        self._rope = kernels.rope_neox if neox else kernels.rope_norm
+        self._ffn_act = kernels.geglu if gelu else kernels.swiglu
         # chunks (T > 1) run them token by token in parallel (same bytes: tokens are independent there)
-        self._rope_tokens = functools.partial(kernels.rope_tokens, self._rope)
-        self._ffn_act_tokens = functools.partial(kernels.ffn_act_tokens, self._ffn_act)
+        self._rope_tokens = kernels.rope_neox_tokens if neox else kernels.rope_norm_tokens
+        self._ffn_act_tokens = kernels.geglu_tokens if gelu else kernels.swiglu_tokens
         # gemma3 scales embeddings by sqrtf(n_embd) (llama.cpp src/models/gemma3.cpp); None: no scaling.
         self._embd_scale = np.float32(np.sqrt(np.float32(cfg.n_embd))) if arch.embd_scale else None
         # Per layer: (cos, sin) RoPE tables [n_ctx, head_dim / 2] of the layer's base, and its window (0: none).

@@ -635,7 +635,7 @@ def geglu(gate, up, out):
 # --- chunks: the per-token kernels above, run token by token in parallel -----------------------------------
 # Tokens of a chunk are independent in these kernels, so each token runs exactly its one-token sequence (same
 # bytes) on whichever thread. Decode (T = 1) calls the kernels above directly: a parallel launch per call would
-# cost more than the work.
+# cost more than the work. One wrapper per kernel: numba's cache never reuses a function taking another as argument.
 
 
 @njit(cache=True, parallel=True)
@@ -660,10 +660,17 @@ def rmsnorm_heads_tokens(x, w, eps):
 
 
 @njit(cache=True, parallel=True)
-def rope_tokens(rope, x, positions, n_head, head_dim, cos, sin):
-    """``rope`` (:func:`rope_norm` or :func:`rope_neox`), tokens in parallel."""
+def rope_norm_tokens(x, positions, n_head, head_dim, cos, sin):
+    """:func:`rope_norm`, tokens in parallel."""
     for t in prange(x.shape[0]):
-        rope(x[t : t + 1], positions[t : t + 1], n_head, head_dim, cos, sin)
+        rope_norm(x[t : t + 1], positions[t : t + 1], n_head, head_dim, cos, sin)
+
+
+@njit(cache=True, parallel=True)
+def rope_neox_tokens(x, positions, n_head, head_dim, cos, sin):
+    """:func:`rope_neox`, tokens in parallel."""
+    for t in prange(x.shape[0]):
+        rope_neox(x[t : t + 1], positions[t : t + 1], n_head, head_dim, cos, sin)
 
 
 @njit(cache=True, parallel=True)
@@ -674,7 +681,14 @@ def kv_write_tokens(k_cache, v_cache, k, v, pos0):
 
 
 @njit(cache=True, parallel=True)
-def ffn_act_tokens(act, gate, up, out):
-    """``act`` (:func:`swiglu` or :func:`geglu`), tokens in parallel."""
+def swiglu_tokens(gate, up, out):
+    """:func:`swiglu`, tokens in parallel."""
     for t in prange(gate.shape[0]):
-        act(gate[t : t + 1], up[t : t + 1], out[t : t + 1])
+        swiglu(gate[t : t + 1], up[t : t + 1], out[t : t + 1])
+
+
+@njit(cache=True, parallel=True)
+def geglu_tokens(gate, up, out):
+    """:func:`geglu`, tokens in parallel."""
+    for t in prange(gate.shape[0]):
+        geglu(gate[t : t + 1], up[t : t + 1], out[t : t + 1])
