@@ -39,7 +39,7 @@ def target_features_note(features: str | None) -> str:
     return f" features={features!r}"
 
 
-# CPUs whose LLVM defaults include the instructions of an integer-dot tier (kernels._idot); any other name
+# CPUs whose LLVM defaults include the instructions of an integer-dot tier (kernels._make_qblock); any other name
 # falls back to plain LLVM IR, which every target compiles (slower, same bytes: the dots are exact integers).
 _VNNI512_CPUS = {"cascadelake", "cooperlake", "icelake-client", "icelake-server", "tigerlake", "rocketlake",
                  "sapphirerapids", "emeraldrapids", "graniterapids", "graniterapids-d", "znver4", "znver5"}

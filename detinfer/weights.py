@@ -42,7 +42,7 @@ def _k_major(a: np.ndarray) -> np.ndarray:
 
 
 def _words(codes: np.ndarray) -> np.ndarray:
-    """Code bytes [n_rows, nb, k] (k a multiple of 4) -> [G, nb, k*ROWS] of kernels._idot: per row group and
+    """Code bytes [n_rows, nb, k] (k a multiple of 4) -> [G, nb, k*ROWS] of kernels._make_qblock: per row group and
     block, byte i of word g of row r (bytes 4g .. 4g+3 of the row's block) at (g*ROWS + r)*4 + i."""
     a = _groups(codes)  # [G, ROWS, nb, k]
     G, _, nb, k = a.shape
