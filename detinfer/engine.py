@@ -8,7 +8,7 @@ one-token decode all produce the same bytes for the same token at the same posit
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numba
@@ -57,6 +57,7 @@ class _Scratch:
     proj: np.ndarray  # [T, n_embd]
     gate_up: np.ndarray  # [T, 2 n_ff]
     ffn: np.ndarray  # [T, n_ff]
+    codes: dict = field(default_factory=dict)  # (n, rows) -> Activations views of xq, dx, sx for an input of width n
 
 
 class Engine:
@@ -132,9 +133,13 @@ class Engine:
 
     @staticmethod
     def _codes(s: _Scratch, x: np.ndarray, rows: slice = slice(None)) -> Activations:
-        """The 8-bit block codes of a matmul input x (float32 [T', n]; rows: which scratch rows it fills)."""
-        nb = x.shape[1] // kernels.QK
-        a = Activations(s.xq[rows, : x.shape[1]], s.dx[rows, :nb], s.sx[rows, : 2 * nb])
+        """The 8-bit block codes of a matmul input x (float32 [T', n]; rows: which scratch rows it fills), in views
+        of the scratch buffers made once per (n, rows): decode would otherwise rebuild them for every matmul."""
+        key = (x.shape[1], rows.start, rows.stop)
+        a = s.codes.get(key)
+        if a is None:
+            nb = x.shape[1] // kernels.QK
+            a = s.codes[key] = Activations(s.xq[rows, : x.shape[1]], s.dx[rows, :nb], s.sx[rows, : 2 * nb])
         (kernels.quantize_blocks_tokens if x.shape[0] > 1 else kernels.quantize_blocks)(x, *a)
         return a
 
