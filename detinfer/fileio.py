@@ -183,6 +183,9 @@ class _JSONLimit(ValueError):
     pass
 
 
+_CONTAINERS = frozenset({list, dict})  # json.loads makes no subclasses
+
+
 def _check_depth(data: Any) -> None:
     """At most MAX_JSON_DEPTH levels of arrays and objects (checked level by level: big flat arrays stay cheap)."""
     level, depth = [data] if isinstance(data, (list, dict)) else [], 1
@@ -191,7 +194,9 @@ def _check_depth(data: Any) -> None:
             raise _JSONLimit(f"nesting deeper than {MAX_JSON_DEPTH} levels")
         inner: list = []
         for c in level:
-            inner.extend([v for v in (c.values() if isinstance(c, dict) else c) if isinstance(v, (list, dict))])
+            values = c.values() if isinstance(c, dict) else c
+            if not _CONTAINERS.isdisjoint(map(type, values)):  # C-speed test first: a 262k-token list holds none
+                inner.extend([v for v in values if isinstance(v, (list, dict))])
         level, depth = inner, depth + 1
 
 
