@@ -27,7 +27,6 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
-from detinfer import engine as engine_mod
 from detinfer import kernels
 from detinfer.engine import Engine, set_threads
 from detinfer.bench_report import PROFILE_BEGIN, PROFILE_END, kept_section
@@ -66,11 +65,11 @@ class Profile:
 def install(profile: Profile, eng: Engine) -> Callable[[], None]:
     """Wrap the kernels the engine calls (module attributes, the engine's bound RoPE/activation, QMatrix calls);
     returns what undoes the module-level wrapping (the next model's kernels must compile against the real ones)."""
-    saved = {name: getattr(kernels, name) for name in KERNEL_GROUPS} | {"dequantize_row": engine_mod.dequantize_row}
+    saved = {name: getattr(kernels, name) for name in KERNEL_GROUPS}
     call = QMatrix.__call__
     for name, group in KERNEL_GROUPS.items():
         setattr(kernels, name, profile.timed(group, getattr(kernels, name)))
-    engine_mod.dequantize_row = profile.timed("embedding row", engine_mod.dequantize_row)
+    eng._embd_row = profile.timed("embedding row", eng._embd_row)
     eng._rope = profile.timed("RoPE", eng._rope)
     eng._ffn_act = profile.timed("activation", eng._ffn_act)
     eng._rope_tokens = profile.timed("RoPE", eng._rope_tokens)
@@ -87,7 +86,7 @@ def install(profile: Profile, eng: Engine) -> Callable[[], None]:
 
     def undo() -> None:
         for name, fn in saved.items():
-            setattr(engine_mod if name == "dequantize_row" else kernels, name, fn)
+            setattr(kernels, name, fn)
         QMatrix.__call__ = call
 
     return undo

@@ -21,7 +21,7 @@ from .config import ModelConfig
 from .errors import InputError
 from .gguf_file import ModelFile
 from .kvcache import KVCache, check_kv_fits, kv_bytes_per_number, parse_kv_type
-from .quants import dequantize_row
+from .quants import DEQUANT_ROW
 from .registry import resolve_model
 from .tokenizer import Tokenizer
 from .weights import Activations, Weights
@@ -49,15 +49,12 @@ class _Scratch:
 
     x: np.ndarray  # [T, n_embd] residual stream
     xn: np.ndarray  # [T, n_embd] normalized
-    xq: np.ndarray  # int8 [T, max(n_embd, n_ff, q_width)]: 8-bit codes of the current matmul input
-    dx: np.ndarray  # float32 [T, max(...) // 32]: their block scales
-    sx: np.ndarray  # int32 [T, max(...) // 16]: their half-block sums
     qkv: np.ndarray  # [T, q_width + 2 kv_width]
     attn: np.ndarray  # [T, q_width]
     proj: np.ndarray  # [T, n_embd]
     gate_up: np.ndarray  # [T, 2 n_ff]
     ffn: np.ndarray  # [T, n_ff]
-    codes: dict = field(default_factory=dict)  # (n, rows) -> Activations views of xq, dx, sx for an input of width n
+    codes: dict = field(default_factory=dict)  # (n, rows) -> Activations (8-bit codes) of a matmul input of width n
 
 
 class Engine:
@@ -77,6 +74,7 @@ class Engine:
         self.tokenizer = Tokenizer.from_model(model_file)
         self.chat_template = ChatTemplate.from_model(model_file)
         self.weights = Weights.load(model_file, cfg)
+        self._embd_row = DEQUANT_ROW[self.weights.token_embd_type]
         arch = ARCHITECTURES[cfg.arch]
         neox, gelu = arch.rope_style == "neox", arch.activation == "gelu_tanh"
         self._rope = kernels.rope_neox if neox else kernels.rope_norm
@@ -116,13 +114,9 @@ class Engine:
             cfg = self.config
             qw = cfg.n_head * cfg.head_dim
             f = np.float32
-            n_in = max(cfg.n_embd, cfg.n_ff, qw)
             self._scratch[T] = _Scratch(
                 x=np.empty((T, cfg.n_embd), f),
                 xn=np.empty((T, cfg.n_embd), f),
-                xq=np.empty((T, n_in), np.int8),
-                dx=np.empty((T, n_in // kernels.QK), f),
-                sx=np.empty((T, 2 * n_in // kernels.QK), np.int32),
                 qkv=np.empty((T, qw + 2 * cfg.kv_width), f),
                 attn=np.empty((T, qw), f),
                 proj=np.empty((T, cfg.n_embd), f),
@@ -134,12 +128,15 @@ class Engine:
     @staticmethod
     def _codes(s: _Scratch, x: np.ndarray, rows: slice = slice(None)) -> Activations:
         """The 8-bit block codes of a matmul input x (float32 [T', n]; rows: which scratch rows it fills), in views
-        of the scratch buffers made once per (n, rows): decode would otherwise rebuild them for every matmul."""
-        key = (x.shape[1], rows.start, rows.stop)
-        a = s.codes.get(key)
+        made once per (n, rows) (decode would otherwise rebuild them for every matmul) of C-contiguous buffers of
+        width n: views of one buffer of the widest input would be non-contiguous for some widths, and every
+        kernel taking them would compile once per layout."""
+        n = x.shape[1]
+        a = s.codes.get((n, rows.start, rows.stop))
         if a is None:
-            nb = x.shape[1] // kernels.QK
-            a = s.codes[key] = Activations(s.xq[rows, : x.shape[1]], s.dx[rows, :nb], s.sx[rows, : 2 * nb])
+            if (n, None, None) not in s.codes:
+                s.codes[(n, None, None)] = Activations.empty(s.x.shape[0], n)
+            a = s.codes[(n, rows.start, rows.stop)] = Activations(*(b[rows] for b in s.codes[(n, None, None)]))
         (kernels.quantize_blocks_tokens if x.shape[0] > 1 else kernels.quantize_blocks)(x, *a)
         return a
 
@@ -193,7 +190,7 @@ class Engine:
         kv_write = kernels.kv_write_tokens if chunk else kernels.kv_write
         ffn_act = self._ffn_act_tokens if chunk else self._ffn_act
         for t in range(T):
-            dequantize_row(int(w.token_embd_type), w.token_embd[ids[t]], s.x[t])
+            self._embd_row(w.token_embd[ids[t]], s.x[t])
         if self._embd_scale is not None:
             s.x *= self._embd_scale  # one float32 multiply per element
         for li, layer in enumerate(w.layers):
@@ -210,7 +207,7 @@ class Engine:
             rope(k, positions, cfg.n_head_kv, cfg.head_dim, cos, sin)
             kv_write(cache.k[li], cache.v[li], k, v, pos0)
             kernels.attention(
-                q, cache.k[li], cache.v[li], pos0, cfg.n_head, self.attn_scale, cache.lut, s.attn, self._layer_window[li]
+                s.qkv, cache.k[li], cache.v[li], pos0, cfg.n_head, self.attn_scale, cache.lut, s.attn, self._layer_window[li]
             )
             layer.attn_output(s.attn, self._codes(s, s.attn), s.proj)
             if layer.post_attention_norm is not None:

@@ -504,23 +504,25 @@ def kv_write(k_cache, v_cache, k, v, pos0):
 def attention(q, k_cache, v_cache, pos0, n_head, scale, lut, out, window=0):
     """Causal grouped-query attention of T query tokens at positions pos0.. against the KV cache.
 
-    q: float32 [T, n_head*head_dim] (after RoPE); k_cache: [n_head_kv, head_dim, n_ctx]; v_cache:
-    [n_head_kv, n_ctx, head_dim] (float32, or uint16 float16 bits decoded through ``lut``); out: float32
-    [T, n_head*head_dim]. Query head h reads KV head h // (n_head / n_head_kv) (GQA, Ainslie et al. 2023).
+    q: float32 [T, >= n_head*head_dim] (after RoPE), the queries in its first n_head*head_dim columns (the
+    engine passes its whole q|k|v buffer: one C-contiguous layout for decode and chunks, so one compile);
+    k_cache: [n_head_kv, head_dim, n_ctx]; v_cache: [n_head_kv, n_ctx, head_dim] (float32, or uint16 float16
+    bits decoded through ``lut``); out: float32 [T, n_head*head_dim]. Query head h reads KV head
+    h // (n_head / n_head_kv) (GQA, Ainslie et al. 2023).
     window: 0 for full causal attention; w > 0 for a sliding window, where the query at p sees key positions
     i with p - i < w (llama.cpp LLAMA_SWA_TYPE_STANDARD masks p - i >= n_swa).
     For query t at position p = pos0 + t and every visible key position i <= p, in increasing i:
     score_i = (sum over d of q_d * k_id, d left to right) * scale; m = max_i score_i;
     e_i = exp32(score_i - m); z = sum of e_i, i left to right; out_d = (sum of e_i * v_id, i left to right) / z.
-    Parallel over (token, head) pairs only.
+    Parallel over (token, head) pairs only, ordered KV head by KV head, then token, then the query heads of the
+    KV head's group: consecutive jobs read the same keys and values while they are in cache.
     """
     T = q.shape[0]
     n_kv, hd = k_cache.shape[0], k_cache.shape[1]
     group = n_head // n_kv
     for job in prange(T * n_head):
-        t = job // n_head
-        h = job % n_head
-        g = h // group
+        g, t = job // (T * group), job // group % T
+        h = g * group + job % group
         p = pos0 + t
         lo = max(0, p - window + 1) if window > 0 else 0  # first visible key position
         n = p + 1 - lo

@@ -12,6 +12,9 @@ The matmuls' documented summation order (including its explicit FMAs) and the de
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from fractions import Fraction
 
 import numba
@@ -660,3 +663,51 @@ def test_matrix_repacked_in_slices_equals_one_repacked_whole(tmp_path, monkeypat
             assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
         else:
             assert a == b  # None (no such array) or the zero point
+
+
+_COMPILES = """
+import json, sys
+import numpy as np
+from numba.core.registry import CPUDispatcher
+from detinfer import kernels
+from detinfer.engine import Engine
+from detinfer.weights import Activations
+
+def signatures():
+    return {n: len(f.signatures) for n, f in vars(kernels).items() if isinstance(f, CPUDispatcher) and f.signatures}
+
+e = Engine.load(sys.argv[1], n_ctx=256)
+cache = e.new_cache()
+logits = e.forward(list(range(1, 70)), cache)  # chunks of 64 and 5 tokens
+e.forward([int(logits.argmax())], cache)  # one decode step
+mats = [e.weights.output] + [m for layer in e.weights.layers
+                             for p in (layer.attn_qkv, layer.attn_output, layer.ffn_gate_up, layer.ffn_down) for m in p.mats]
+found = {"types": len({m.ggml_type for m in mats if m.kind == "q"}), "run": signatures()}
+# negative control: codes in a non-contiguous view (rows of a wider buffer) are another layout, another compile
+m = e.weights.output
+wide = Activations.empty(2, 2 * m.n_in)
+x = np.ones((2, m.n_in), np.float32)
+view = Activations(wide.xq[:, : m.n_in], wide.dx[:, : m.n_in // kernels.QK], wide.sx[:, : m.n_in // 16])
+kernels.quantize_blocks(x, *view)
+m(x, view, np.empty((2, m.n_out), np.float32))
+found["control"] = signatures()
+print(json.dumps(found))
+"""
+
+
+@pytest.mark.parametrize("model", ["model_path", "gemma_path"])
+def test_prefill_and_decode_compile_each_kernel_once(request, model: str) -> None:
+    """Chunks and decode give every kernel arrays of one layout, so each compiles once (matmul_q once per weight
+    type): a non-contiguous view where the other path passes a contiguous array is a second compile of seconds
+    in a cold start. Counted in a fresh process that loads the kernels from the JIT cache (a compiling one also
+    lists the signatures the *_tokens wrappers compile inside themselves); the first run fills the cache. The
+    control passes one such view and must add a compile."""
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", _COMPILES, str(request.getfixturevalue(model))],
+                              capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    found = json.loads(proc.stdout)
+    run, control = found["run"], found["control"]
+    assert run["matmul_q"] == found["types"] >= 2
+    assert {n: c for n, c in run.items() if n != "matmul_q"} == dict.fromkeys(set(run) - {"matmul_q"}, 1)
+    assert control["matmul_q"] == run["matmul_q"] + 1
