@@ -54,7 +54,9 @@ class _Scratch:
     proj: np.ndarray  # [T, n_embd]
     gate_up: np.ndarray  # [T, 2 n_ff]
     ffn: np.ndarray  # [T, n_ff]
-    codes: dict = field(default_factory=dict)  # (n, rows) -> Activations (8-bit codes) of a matmul input of width n
+    # 8-bit codes of the matmul inputs: n -> Activations buffers [T, n] (C-contiguous) of inputs of width n;
+    # (n, rows.start, rows.stop) -> Activations views of their rows
+    codes: dict = field(default_factory=dict)
 
 
 class Engine:
@@ -134,9 +136,9 @@ class Engine:
         n = x.shape[1]
         a = s.codes.get((n, rows.start, rows.stop))
         if a is None:
-            if (n, None, None) not in s.codes:
-                s.codes[(n, None, None)] = Activations.empty(s.x.shape[0], n)
-            a = s.codes[(n, rows.start, rows.stop)] = Activations(*(b[rows] for b in s.codes[(n, None, None)]))
+            if n not in s.codes:
+                s.codes[n] = Activations.empty(s.x.shape[0], n)
+            a = s.codes[(n, rows.start, rows.stop)] = Activations(*(b[rows] for b in s.codes[n]))
         (kernels.quantize_blocks_tokens if x.shape[0] > 1 else kernels.quantize_blocks)(x, *a)
         return a
 

@@ -411,13 +411,12 @@ def dequantize_row(ggml_type_id, raw, out):
 
 # The row function of each type, for a caller whose rows are all of one type (the engine's token embedding):
 # only that type's function compiles, where dequantize_row compiles them all (~2.5 s of a cold start).
+# Keyed by type id; a GGMLQuantizationType (an IntEnum) finds the same entry.
 DEQUANT_ROW = {
-    GGMLQuantizationType(t): f
-    for t, f in ((_Q4_1, dequant_row_q4_1), (_Q8_0, dequant_row_q8_0), (_Q4_0, dequant_row_q4_0),
-                 (_F32, dequant_row_f32), (_F16, dequant_row_f16), (_BF16, dequant_row_bf16),
-                 (_Q5_0, dequant_row_q5_0), (_Q5_1, dequant_row_q5_1), (_Q4_K, dequant_row_q4_k),
-                 (_Q5_K, dequant_row_q5_k), (_Q6_K, dequant_row_q6_k))
-}  # fmt: skip
+    _Q4_1: dequant_row_q4_1, _Q8_0: dequant_row_q8_0, _Q4_0: dequant_row_q4_0, _F32: dequant_row_f32,
+    _F16: dequant_row_f16, _BF16: dequant_row_bf16, _Q5_0: dequant_row_q5_0, _Q5_1: dequant_row_q5_1,
+    _Q4_K: dequant_row_q4_k, _Q5_K: dequant_row_q5_k, _Q6_K: dequant_row_q6_k,
+}
 
 
 @njit(cache=True)
