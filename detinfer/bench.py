@@ -57,6 +57,7 @@ from .bench_report import (
     write_report,
 )
 from .errors import DetinferError, InputError
+from .gguf_file import check_magic
 from .manifest import cpu_name
 from .paths import detinfer_home
 from .registry import DEFAULT_MODEL, REGISTRY, resolve_model
@@ -167,8 +168,8 @@ def peer_dir(peers_dir: Path, isa: str) -> Path:
 
 
 def check_options(opts: Options) -> None:
-    """Raise InputError (or GGUFError for a model path that is not a file) for options the suite cannot run with,
-    before anything is loaded."""
+    """Raise InputError (or GGUFError for a model path that is not a GGUF file) for options the suite cannot run
+    with, before anything is loaded or written."""
     if opts.runs < 1:
         raise InputError(f"--runs must be at least 1, got {opts.runs}")
     if opts.large_runs is not None and opts.large_runs < 1:
@@ -194,7 +195,7 @@ def check_options(opts: Options) -> None:
                                  f"{peer_dir(opts.peers_dir, isa)}; `make bench-peers` builds one per ISA")
     for model in opts.models + opts.large_models:
         if model not in REGISTRY:  # a registry model that is not pulled is skipped later, with the reason
-            resolve_model(model)
+            check_magic(resolve_model(model))
 
 
 def random_ids(n_vocab: int, n: int = N_CTX) -> list[int]:

@@ -154,6 +154,14 @@ class _Index(BaseModel):
     tensors: list[tuple[str, int, list[int], int]]
 
 
+def check_magic(path: Path) -> None:
+    """Raise GGUFError unless the file at ``path`` starts with the GGUF magic (a cheap check before a long job)."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise GGUFError(f"{path.name}: wrong magic {magic!r} (expected b'GGUF'); this is not a GGUF file")
+
+
 class ModelFile:
     """A validated GGUF file: metadata, tensor table and zero-copy tensor data.
 
@@ -166,10 +174,7 @@ class ModelFile:
         if not self.path.is_file():
             raise GGUFError(f"model file not found: {self.path}; run `detinfer pull` or pass a path to a .gguf file")
         self.size = self.path.stat().st_size
-        with open(self.path, "rb") as f:
-            magic = f.read(4)
-        if magic != b"GGUF":
-            raise GGUFError(f"{self.path.name}: wrong magic {magic!r} (expected b'GGUF'); this is not a GGUF file")
+        check_magic(self.path)
         self.sha256 = sha256_file(self.path)
         index = self._load_index() if use_index else None
         if index is not None:

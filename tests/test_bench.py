@@ -55,6 +55,8 @@ import synth_model  # noqa: E402
         (["bench", "--decode", "0"], "--decode must be 1..4080"),
         (["bench", "--model", "{missing}"], "does not exist"),
         (["bench", "--large-model", "{missing}"], "does not exist"),
+        (["bench", "--model", "{old}"], "this is not a GGUF file"),
+        (["bench", "--large-model", "{old}"], "this is not a GGUF file"),
         (["bench", "kv", "--tokens", "0"], "--tokens must be positive"),
         (["bench", "kv", "--naive-budget", "0"], "--naive-budget must be positive"),
         (["bench", "kv", "--results", "{old}"], "is not a benchmark results file of schema 2"),
