@@ -157,21 +157,45 @@ def _dot4(builder, tier, acc, a, b, signed):
     return builder.add(acc, builder.add(quad[0], quad[1]))
 
 
+def _f16_to_f32(builder, tier, h):
+    """<n x i16> float16 bits -> <n x float>, exact (every f16 value is a float32). The x86 tiers have F16C
+    (``vcvtph2ps``); the plain-IR tier converts with integer operations so that no target needs a libcall:
+    magnitude bits << 13 read as a float32 times 2^112 (exact for normal and subnormal f16), inf/NaN's exponent
+    set to all ones, then the sign (as in F. Giesen's ``half_to_float``). A signalling NaN scale may come out
+    quieted or not, which no output shows: the kernel's first multiply quiets it either way."""
+    n = h.type.count
+    vi, vf = _vec(_I32, n), _vec(ir.FloatType(), n)
+    if tier != "generic":
+        return builder.fpext(builder.bitcast(h, _vec(ir.HalfType(), n)), vf)
+
+    def const(v):
+        return ir.Constant(vi, [v] * n)
+
+    w = builder.zext(h, vi)
+    mag = builder.shl(builder.and_(w, const(0x7FFF)), const(13))
+    scaled = builder.bitcast(builder.fmul(builder.bitcast(mag, vf), ir.Constant(vf, [2.0**112] * n)), vi)
+    special = builder.icmp_unsigned(">=", mag, const(0x7C00 << 13))
+    bits = builder.select(special, builder.or_(mag, const(0x7F800000)), scaled)
+    return builder.bitcast(builder.or_(bits, builder.shl(builder.and_(w, const(0x8000)), const(16))), vf)
+
+
 def _make_qblock(nt):
-    """An intrinsic qblock(qb, xb, at, db, hb, mb, z, dxs, sxs): one block of a row group for ``nt`` tokens, the
-    whole per-block step of :func:`matmul_q` in vector registers. The weight vectors are loaded and unpacked once
-    for all ``nt`` tokens; per token t and row r the exact integer dots lo = sum_{e<16} c[r, e] xq[t, e] and
-    hi = sum_{e>=16} c[r, e] xq[t, e] (int32, |lo + hi| < 2^21), then at[t*ROWS + r] = fma(dx, u, at[t*ROWS + r])
-    with u as in :func:`matmul_q`.
+    """An intrinsic qblock(qb, xb, at, db, hb, mb, z, dxs, sxs, sdb, smb): one block of a row group for ``nt``
+    tokens, the whole per-block step of :func:`matmul_q` in vector registers. The weight vectors are loaded and
+    unpacked once for all ``nt`` tokens; per token t and row r the exact integer dots lo = sum_{e<16} c[r, e]
+    xq[t, e] and hi = sum_{e>=16} c[r, e] xq[t, e] (int32, |lo + hi| < 2^21), then at[t*ROWS + r] = fma(dx, u,
+    at[t*ROWS + r]) with u as in :func:`matmul_q`.
     qb: one block of the row group: uint32 [4*ROWS] packed nibbles (byte i of word g*ROWS + r holds codes
     e = 4g + i in its low nibble and 16 + 4g + i in its high nibble, of row r), or uint8 [32*ROWS] unsigned codes
     (0..63) / int8 [32*ROWS] signed codes (byte i of word g*ROWS + r is code e = 4g + i of row r);
-    xb: int8 [nt, 32] activation codes; at: float32 [nt*ROWS] accumulators; db, hb, mb: float32 [ROWS] the
-    block's d, d_hi (or None) and m (or None); z: int zero point; dxs: float32 [nt] activation scales;
+    xb: int8 [nt, 32] activation codes; at: float32 [nt*ROWS] accumulators; db, hb, mb: [ROWS] the block's d,
+    d_hi (or None) and m (or None): float32, float16 bits (uint16, widened exactly by :func:`_f16_to_f32`), or
+    integer sub-block scales (uint8, int8) when sdb (for d and d_hi) and smb (for m) give their super-block's
+    float32 [ROWS] factor: d = sdb * float(db), exact; z: int zero point; dxs: float32 [nt] activation scales;
     sxs: int32 [nt, 2] the activation codes' half sums (rows of xb, dxs, sxs may be strided)."""
 
     @intrinsic
-    def qblock(typingctx, qb, xb, at, db, hb, mb, z, dxs, sxs):
+    def qblock(typingctx, qb, xb, at, db, hb, mb, z, dxs, sxs, sdb, smb):
         nibbles = qb.dtype == types.uint32
         signed = qb.dtype == types.int8
         halves = not isinstance(hb, types.NoneType)
@@ -181,8 +205,8 @@ def _make_qblock(nt):
             tier = jit.int_dot_tier()
             n = 8 if tier == "avx2" else 16
             vi, vf = _vec(_I32, n), _vec(ir.FloatType(), n)
-            arr = {i: context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 1, 2, 3, 4, 5, 7, 8)
-                   if not isinstance(sig.args[i], types.NoneType)}  # fmt: skip
+            arr = {i: context.make_array(sig.args[i])(context, builder, args[i])
+                   for i in (0, 1, 2, 3, 4, 5, 7, 8, 9, 10) if not isinstance(sig.args[i], types.NoneType)}
 
             def ptr(i, ty):
                 return builder.bitcast(arr[i].data, ty.as_pointer())
@@ -194,6 +218,15 @@ def _make_qblock(nt):
 
             def vload(p, off, ty):
                 return builder.load(builder.bitcast(builder.gep(p, [_I32(off)]), ty.as_pointer()), align=1)
+
+            def scale(i, sup, r0):  # the float32 vector of block scales (d, d_hi or m) of rows r0 ..
+                if sig.args[i].dtype == types.float32:
+                    return vload(ptr(i, ir.FloatType()), r0, vf)
+                if sig.args[i].dtype == types.uint16:
+                    return _f16_to_f32(builder, tier, vload(ptr(i, _I16), r0, _vec(_I16, n)))
+                ints = vload(ptr(i, _I8), r0, _vec(_I8, n))
+                f = builder.sitofp(ints, vf) if sig.args[i].dtype.signed else builder.uitofp(ints, vf)
+                return builder.fmul(vload(ptr(sup, ir.FloatType()), r0, vf), f)
 
             def splat_f(v):
                 u = builder.insert_element(ir.Constant(vf, ir.Undefined), v, _I32(0))
@@ -225,9 +258,9 @@ def _make_qblock(nt):
                         h = half if halves else 0
                         for t in range(nt):
                             acc[t][h] = _dot4(builder, tier, acc[t][h], codes, xs[t][xg], signed)
-                d = vload(ptr(3, ir.FloatType()), r0, vf)
-                dh = vload(ptr(4, ir.FloatType()), r0, vf) if halves else None
-                m = vload(ptr(5, ir.FloatType()), r0, vf) if offset else None
+                d = scale(3, 9, r0)
+                dh = scale(4, 9, r0) if halves else None
+                m = scale(5, 10, r0) if offset else None
                 for t in range(nt):
                     s0, s1 = s[t]
                     if halves:  # u = fma(d_hi, float(hi - z s1), d * float(lo - z s0))
@@ -244,7 +277,7 @@ def _make_qblock(nt):
                     builder.store(builder.call(fma, [dx[t], u, builder.load(pa, align=1)]), pa, align=1)
             return context.get_dummy_value()
 
-        return types.none(qb, xb, at, db, hb, mb, z, dxs, sxs), codegen
+        return types.none(qb, xb, at, db, hb, mb, z, dxs, sxs, sdb, smb), codegen
 
     return qblock
 
@@ -297,15 +330,20 @@ def quantize_blocks(x, xq, dx, sx):
 
 
 @njit(cache=True, parallel=True)
-def matmul_q(qs, d, d_hi, m, z, xq, dx, sx, out):
+def matmul_q(qs, d, d_hi, m, z, d_super, m_super, xq, dx, sx, out):
     """out[T, n_out] = x @ W.T for block-quantized weights (every GGUF type detinfer reads but F32/F16/BF16), from
     the activation codes of :func:`quantize_blocks` (xq int8 [T, n_in], dx float32 [T, nb], sx int32 [T, 2 nb]).
 
     Weights, per row and 32-element block: element e = d * (c_e - z) + m (ggml-quants.c ``dequantize_row_*``;
     weights.QMatrix gives each type's c, z, d, m), repacked for the integer dots (see :func:`_make_qblock`) as
     qs [G, nb, ...]: uint32 packed nibbles (4-bit codes), uint8 (5- and 6-bit codes) or int8 (Q8_0's signed
-    codes); d float32 [G, nb, ROWS] (for Q6_K the scale of elements 0-15 and d_hi that of 16-31, else d_hi None);
-    m float32 [G, nb, ROWS] or None; z: int zero point (0 with m).
+    codes); d [G, nb, ROWS] (for Q6_K the scale of elements 0-15 and d_hi that of 16-31, else d_hi None);
+    m [G, nb, ROWS] or None; z: int zero point (0 with m). The scales keep the file's precision, so there are
+    fewer bytes to stream, and are widened to float32 exactly in the kernel: the 32-element block types' f16 d
+    and m as float16 bits (uint16); the k-quants' (Q4_K, Q5_K, Q6_K) integer sub-block scales as integers (uint8
+    sc, m; int8 for Q6_K) beside their 256-element super-block's float32 factor, d_super [G, nb // 8, ROWS] for
+    d and d_hi, m_super for m (else None): the block's d = d_super[g, b // 8] * float(d[g, b]), exact (an f16
+    times an 8-bit integer).
     Order per output (float32, fma = one rounding, ``llvm.fma``): per block b, the exact integers
     lo = sum_{e<16} c_e xq_e and hi = sum_{e>=16} c_e xq_e (in any order: they are exact), s0, s1 = sx[t, 2b],
     sx[t, 2b + 1], then
@@ -320,22 +358,22 @@ def matmul_q(qs, d, d_hi, m, z, xq, dx, sx, out):
     for g in prange(G):
         row0 = g * ROWS
         n = min(ROWS, n_out - row0)
-        qg, dg, hg, mg = qs[g], d[g], _sub(d_hi, g), _sub(m, g)
+        qg, dg, hg, mg, sdg, smg = qs[g], d[g], _sub(d_hi, g), _sub(m, g), _sub(d_super, g), _sub(m_super, g)
         acc = np.zeros(T * ROWS, np.float32)
         for b in range(nb):
             _prefetch_rows(qg, b + PREFETCH_BLOCKS)
             _prefetch_rows(dg, b + PREFETCH_BLOCKS)
             _prefetch_rows(hg, b + PREFETCH_BLOCKS)
             _prefetch_rows(mg, b + PREFETCH_BLOCKS)
-            qb, db, hb, mb = qg[b], dg[b], _sub(hg, b), _sub(mg, b)
+            qb, db, hb, mb, sdb, smb = qg[b], dg[b], _sub(hg, b), _sub(mg, b), _sub(sdg, b // 8), _sub(smg, b // 8)
             t = 0
             while t + TOKENS <= T:
                 _qblock4(qb, xq[t : t + TOKENS, b * QK : b * QK + QK], acc[t * ROWS : (t + TOKENS) * ROWS], db, hb,
-                         mb, z, dx[t : t + TOKENS, b], sx[t : t + TOKENS, 2 * b : 2 * b + 2])  # fmt: skip
+                         mb, z, dx[t : t + TOKENS, b], sx[t : t + TOKENS, 2 * b : 2 * b + 2], sdb, smb)  # fmt: skip
                 t += TOKENS
             while t < T:
                 _qblock1(qb, xq[t : t + 1, b * QK : b * QK + QK], acc[t * ROWS : (t + 1) * ROWS], db, hb, mb, z,
-                         dx[t : t + 1, b], sx[t : t + 1, 2 * b : 2 * b + 2])  # fmt: skip
+                         dx[t : t + 1, b], sx[t : t + 1, 2 * b : 2 * b + 2], sdb, smb)  # fmt: skip
                 t += 1
         for t in range(T):
             o = out[t, row0 : row0 + n]

@@ -14,9 +14,9 @@ bit-identical to numpy's float32 -> float16 cast for every input, NaNs included.
 Compiled without fastmath: ``d * q + m`` stays a rounded multiply then a rounded add (never an FMA), as
 in gguf-py. (ggml's C code may be contracted into FMA by its compiler; gguf-py is the reference here.)
 
-The 5-bit and k-quant formats are also exposed as (codes, scale, offset) by :func:`unpack_rows`, which the
-weight loader repacks for the matmul kernels; dequantization and unpacking read codes and scales through the
-same per-element helpers.
+The weight loader repacks the codes of the 5-bit formats (:func:`unpack_q5_codes`) and the k-quants' codes with
+their integer sub-block scales (:func:`unpack_k_rows`) for the matmul kernels; dequantization and unpacking read
+codes and scales through the same per-element helpers.
 """
 
 from __future__ import annotations
@@ -269,17 +269,21 @@ def dequant_row_q5_1(raw, out):
 
 
 @njit(cache=True)
-def _k_scale_min(raw, o, i):
-    """(D, DM) float32 of sub-block i (0..7) of the Q4_K/Q5_K super-block at byte o: D = d * sc_i and
-    DM = dmin * m_i, with d, dmin the f16 at o, o+2 and the 6-bit sc_i, m_i packed in the 12 bytes at o+4
-    (ggml-quants.c ``get_scale_min_k4``). Both products are exact: 11-bit times 6-bit significands."""
+def _k_sc_m(raw, o, i):
+    """The 6-bit integers (sc_i, m_i) of sub-block i (0..7) of the Q4_K/Q5_K super-block at byte o, packed in the
+    12 bytes at o+4 (ggml-quants.c ``get_scale_min_k4``)."""
     s = o + 4
     if i < 4:
-        sc = raw[s + i] & 63
-        m = raw[s + i + 4] & 63
-    else:
-        sc = (raw[s + i + 4] & 15) | ((raw[s + i - 4] >> 6) << 4)
-        m = (raw[s + i + 4] >> 4) | ((raw[s + i] >> 6) << 4)
+        return raw[s + i] & 63, raw[s + i + 4] & 63
+    return (raw[s + i + 4] & 15) | ((raw[s + i - 4] >> 6) << 4), (raw[s + i + 4] >> 4) | ((raw[s + i] >> 6) << 4)
+
+
+@njit(cache=True)
+def _k_scale_min(raw, o, i):
+    """(D, DM) float32 of sub-block i (0..7) of the Q4_K/Q5_K super-block at byte o: D = d * sc_i and
+    DM = dmin * m_i, with d, dmin the f16 at o, o+2 and sc_i, m_i from :func:`_k_sc_m`. Both products are exact:
+    11-bit times 6-bit significands."""
+    sc, m = _k_sc_m(raw, o, i)
     return F16_TO_F32[_u16(raw, o)] * np.float32(sc), F16_TO_F32[_u16(raw, o + 2)] * np.float32(m)
 
 
@@ -311,13 +315,17 @@ def _q6_k_code(raw, o, e):
 
 
 @njit(cache=True)
+def _q6_k_sc(raw, o, i):
+    """The int8 scale sc_i (at o+192+i) of 16-element sub-block i of the Q6_K super-block at byte o."""
+    sc = np.int64(raw[o + 192 + i])
+    return sc - 256 if sc >= 128 else sc
+
+
+@njit(cache=True)
 def _q6_k_scale(raw, o, i):
     """D = d * sc_i (float32, exact: 11-bit times 8-bit) for 16-element sub-block i of the Q6_K super-block
-    at byte o: sc_i the int8 at o+192+i, d the f16 at o+208."""
-    sc = np.int64(raw[o + 192 + i])
-    if sc >= 128:
-        sc -= 256
-    return F16_TO_F32[_u16(raw, o + 208)] * np.float32(sc)
+    at byte o: sc_i from :func:`_q6_k_sc`, d the f16 at o+208."""
+    return F16_TO_F32[_u16(raw, o + 208)] * np.float32(_q6_k_sc(raw, o, i))
 
 
 @njit(cache=True)
@@ -427,57 +435,68 @@ def _dequantize_rows(ggml_type_id, raw, out):
 
 
 @njit(cache=True)
-def unpack_rows(ggml_type_id, raw, codes, scale, offset):
-    """Unsigned codes and sub-block scales of Q5_0, Q5_1, Q4_K, Q5_K or Q6_K rows, for the weight loader.
+def unpack_q5_codes(ggml_type_id, raw, codes):
+    """The unsigned 5-bit codes of Q5_0 or Q5_1 rows, for the weight loader (which reads each block's f16 d, and
+    Q5_1's m, from the bytes itself): element e of row r is d * (codes[r, e] - 16) (Q5_0) or d * codes[r, e] + m
+    (Q5_1), with d, m those of block e // 32.
 
-    raw uint8 (n_rows, row_bytes); codes uint8 (n_rows, n) in element order; scale, offset float32
-    (n_rows, n // sub), sub = 16 for Q6_K and 32 otherwise, such that element e of row r is exactly (in real
-    numbers) scale[r, e // sub] * codes[r, e] + offset[r, e // sub]. Every scale and offset is exact in
-    float32: Q5_0 (d, -16 d); Q5_1 (d, m); Q4_K, Q5_K (d * sc, -(dmin * m)); Q6_K (d * sc, -32 d * sc).
+    raw uint8 (n_rows, row_bytes); codes uint8 (n_rows, n) in element order. Raises ValueError for another type
+    or mismatched lengths.
+    """
+    n = codes.shape[1]
+    if ggml_type_id != _Q5_0 and ggml_type_id != _Q5_1:
+        raise ValueError("unpack_q5_codes: not a Q5_0 or Q5_1 type id")
+    bb = 22 if ggml_type_id == _Q5_0 else 24
+    if codes.shape[0] != raw.shape[0] or n % 32 != 0 or raw.shape[1] != (n // 32) * bb:
+        raise ValueError("unpack_q5_codes: codes must have n_rows rows and the rows' n elements")
+    for r in range(raw.shape[0]):
+        row, c = raw[r], codes[r]
+        for b in range(n // 32):
+            for j in range(32):  # qh[4] and qs[16] end the block
+                c[32 * b + j] = _q5_code(row, bb * b + bb - 20, j)
+
+
+@njit(cache=True)
+def unpack_k_rows(ggml_type_id, raw, codes, sc, m, d, dmin):
+    """Unsigned codes and the integer sub-block scales of Q4_K, Q5_K or Q6_K rows, with their super-blocks'
+    float scales, for the weight loader (which keeps them apart: one byte per sub-block instead of a float).
+
+    raw uint8 (n_rows, row_bytes); codes uint8 (n_rows, n) in element order; d, dmin float32 (n_rows, n // 256):
+    the super-blocks' f16 d and dmin, widened exactly. Q4_K, Q5_K: sc, m uint8 (n_rows, n // 32), the 6-bit
+    sub-block scales and minimums; element e of row r is (in real numbers) d[r, e // 256] * sc[r, e // 32] *
+    codes[r, e] - dmin[r, e // 256] * m[r, e // 32]. Q6_K: sc int8 (n_rows, n // 16); element e is
+    d[r, e // 256] * sc[r, e // 16] * (codes[r, e] - 32); m and dmin are not written (pass empty arrays).
     Raises ValueError for another type or mismatched lengths.
     """
     n = codes.shape[1]
+    n_rows = raw.shape[0]
     sub = 16 if ggml_type_id == _Q6_K else 32
-    if codes.shape[0] != raw.shape[0] or scale.shape != (raw.shape[0], n // sub) or offset.shape != scale.shape:
-        raise ValueError("unpack_rows: codes, scale and offset must have n_rows rows and n, n // sub columns")
-    for r in range(raw.shape[0]):
-        row, c, sc, off = raw[r], codes[r], scale[r], offset[r]
-        if ggml_type_id == _Q5_0 or ggml_type_id == _Q5_1:
-            bb = 22 if ggml_type_id == _Q5_0 else 24
-            if n % 32 != 0 or row.shape[0] != (n // 32) * bb:
-                raise ValueError("unpack_rows: Q5 row length mismatch")
-            for b in range(n // 32):
-                o = bb * b
-                d = F16_TO_F32[_u16(row, o)]
-                sc[b] = d
-                off[b] = d * np.float32(-16.0) if bb == 22 else F16_TO_F32[_u16(row, o + 2)]
-                for j in range(32):  # qh[4] and qs[16] end the block
-                    c[32 * b + j] = _q5_code(row, o + bb - 20, j)
-        elif ggml_type_id == _Q4_K or ggml_type_id == _Q5_K:
-            bb = 144 if ggml_type_id == _Q4_K else 176
-            if n % QK_K != 0 or row.shape[0] != (n // QK_K) * bb:
-                raise ValueError("unpack_rows: Q4_K/Q5_K row length mismatch")
-            for s in range(n // QK_K):
-                o = bb * s
-                for i in range(8):
-                    D, DM = _k_scale_min(row, o, i)
-                    sc[8 * s + i] = D
-                    off[8 * s + i] = -DM
-                for e in range(QK_K):
-                    c[QK_K * s + e] = _q4_k_code(row, o, e) if bb == 144 else _q5_k_code(row, o, e)
-        elif ggml_type_id == _Q6_K:
-            if n % QK_K != 0 or row.shape[0] != (n // QK_K) * 210:
-                raise ValueError("unpack_rows: Q6_K row length mismatch")
-            for s in range(n // QK_K):
-                o = 210 * s
+    bb = 144 if ggml_type_id == _Q4_K else 176 if ggml_type_id == _Q5_K else 210
+    if ggml_type_id != _Q4_K and ggml_type_id != _Q5_K and ggml_type_id != _Q6_K:
+        raise ValueError("unpack_k_rows: not a Q4_K, Q5_K or Q6_K type id")
+    if n % QK_K != 0 or raw.shape[1] != (n // QK_K) * bb:
+        raise ValueError("unpack_k_rows: row length mismatch")
+    if codes.shape[0] != n_rows or sc.shape != (n_rows, n // sub) or d.shape != (n_rows, n // QK_K):
+        raise ValueError("unpack_k_rows: codes, sc and d must have n_rows rows and n, n // sub, n // 256 columns")
+    if sub == 32 and (m.shape != sc.shape or dmin.shape != d.shape):
+        raise ValueError("unpack_k_rows: m and dmin must have the shapes of sc and d")
+    for r in range(n_rows):
+        row, c = raw[r], codes[r]
+        for s in range(n // QK_K):
+            o = bb * s
+            if sub == 16:
+                d[r, s] = F16_TO_F32[_u16(row, o + 208)]
                 for i in range(16):
-                    D = _q6_k_scale(row, o, i)
-                    sc[16 * s + i] = D
-                    off[16 * s + i] = D * np.float32(-32.0)
+                    sc[r, 16 * s + i] = _q6_k_sc(row, o, i)
                 for e in range(QK_K):
                     c[QK_K * s + e] = _q6_k_code(row, o, e)
-        else:
-            raise ValueError("unpack_rows: not a Q5_0, Q5_1, Q4_K, Q5_K or Q6_K type id")
+                continue
+            d[r, s] = F16_TO_F32[_u16(row, o)]
+            dmin[r, s] = F16_TO_F32[_u16(row, o + 2)]
+            for i in range(8):
+                sc[r, 8 * s + i], m[r, 8 * s + i] = _k_sc_m(row, o, i)
+            for e in range(QK_K):
+                c[QK_K * s + e] = _q4_k_code(row, o, e) if bb == 144 else _q5_k_code(row, o, e)
 
 
 _SUPPORTED = (

@@ -1,8 +1,8 @@
 """Weights: GGUF tensors mapped to the forward pass, matrices repacked once at load for the kernels.
 
-Quantized blocks stay quantized: a repacked Q4_1 matrix holds the same 4-bit codes, with each block's f16
-scale and minimum widened (exactly) to f32, regrouped so that ``kernels.ROWS`` output rows are stored
-k-major (see kernels.py). Which tensors exist is the architecture's business (:mod:`detinfer.arch`); this
+Quantized blocks stay quantized: a repacked Q4_1 matrix holds the same 4-bit codes and each block's f16
+scale and minimum (which the kernel widens to f32, exactly), regrouped so that ``kernels.ROWS`` output rows are
+stored k-major (see kernels.py). Which tensors exist is the architecture's business (:mod:`detinfer.arch`); this
 module loads whatever of them the architecture lists, into one :class:`Layer` shape for every architecture.
 """
 
@@ -19,7 +19,7 @@ from .arch import ARCHITECTURES, tensor_shapes
 from .config import ModelConfig
 from .errors import GGUFError
 from .gguf_file import SUPPORTED_TYPES, ModelFile
-from .quants import F16_TO_F32, dequantize, unpack_rows
+from .quants import QK_K, dequantize, unpack_k_rows, unpack_q5_codes
 
 Q = GGMLQuantizationType
 R = kernels.ROWS
@@ -51,9 +51,9 @@ def _words(codes: np.ndarray) -> np.ndarray:
     return words.view(codes.dtype).reshape(G, nb, k * R)
 
 
-def _f16(raw: np.ndarray) -> np.ndarray:
-    """Little-endian f16 bytes [..., 2] -> exact float32 values [...]."""
-    return F16_TO_F32[np.ascontiguousarray(raw).view("<u2")[..., 0]]
+def _f16_bits(raw: np.ndarray) -> np.ndarray:
+    """Little-endian f16 bytes [..., 2] -> their bits, uint16 [...] (the kernels widen them exactly)."""
+    return np.ascontiguousarray(raw).view("<u2")[..., 0].astype(np.uint16)
 
 
 def _nibble_words(codes: np.ndarray) -> np.ndarray:
@@ -89,13 +89,16 @@ class Activations(NamedTuple):
 class QMatrix:
     """A weight matrix of shape (n_out, n_in) ready for the matmul kernels.
 
-    kind "q" (every block type): arrays (qs, d, d_hi, m, z) of kernels.matmul_q, element e of a 32-element block
-    = d * (c_e - z) + m, every scale and offset exact in float32 (k-quant sub-block scales d * sc, dmin * m are
-    exact products of an f16 and a 6- or 8-bit integer; ggml-quants.c ``dequantize_row_*``):
-      - 4-bit codes c in 0..15, packed nibbles: Q4_0 (z = 8), Q4_1 (m), Q4_K (d sc, m = -dmin m_sc);
-      - 5- and 6-bit codes, one byte each: Q5_0 (z = 16), Q5_1 (m), Q5_K (m), Q6_K (z = 32 and a scale per 16
+    kind "q" (every block type): arrays (qs, d, d_hi, m, z, d_super, m_super) of kernels.matmul_q, element e of a
+    32-element block = d * (c_e - z) + m, every scale and offset exact in float32 (ggml-quants.c
+    ``dequantize_row_*``), the 32-element block types' f16 d and m kept as their bits (uint16):
+      - 4-bit codes c in 0..15, packed nibbles: Q4_0 (z = 8), Q4_1 (m), Q4_K;
+      - 5- and 6-bit codes, one byte each: Q5_0 (z = 16), Q5_1 (m), Q5_K, Q6_K (z = 32 and a scale per 16
         elements: d for elements 0-15, d_hi for 16-31);
       - Q8_0: signed codes, one byte each.
+    The k-quants keep their integer sub-block scales (Q4_K, Q5_K: uint8 sc as d and m_sc as m; Q6_K: int8) and
+    their super-blocks' f16 factors widened to float32 (d_super = d; m_super = -dmin): the kernel's products
+    d_super * sc and m_super * m_sc are exact.
     kind "dense" (F32/F16/BF16): (w float32 [G, n_in, ROWS]) of kernels.matmul_dense.
     """
 
@@ -111,38 +114,40 @@ class QMatrix:
         """Repack raw GGUF rows (uint8 [n_out, row_bytes]) of ``ggml_type`` into the kernels' layout."""
         n_out = raw.shape[0]
         nb = n_in // kernels.QK
-        d_hi = m = None
+        d_hi = m = d_super = m_super = None
         z = 0
-        if ggml_type in (Q.Q4_0, Q.Q4_1, Q.Q8_0):  # 32-element blocks: f16 d (and m), then the codes
-            block_bytes = GGML_QUANT_SIZES[ggml_type][1]
-            blocks = raw.reshape(n_out, nb, block_bytes)
-            d = _f16(blocks[:, :, 0:2])
+        if ggml_type in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1):  # 32-element blocks: f16 d (and m), then the codes
+            blocks = np.ascontiguousarray(raw).reshape(n_out, nb, GGML_QUANT_SIZES[ggml_type][1])
+            d = _f16_bits(blocks[:, :, 0:2])
+            if ggml_type in (Q.Q4_1, Q.Q5_1):
+                m = _f16_bits(blocks[:, :, 2:4])
+            z = {Q.Q4_0: 8, Q.Q5_0: 16}.get(ggml_type, 0)
             if ggml_type == Q.Q8_0:
                 qs = _words(blocks[:, :, 2:].view(np.int8))
-            else:  # the file's packed bytes are already _nibble_words' byte order
+            elif ggml_type in (Q.Q4_0, Q.Q4_1):  # the file's packed bytes are already _nibble_words' byte order
                 qs = _words(blocks[:, :, 4:] if ggml_type == Q.Q4_1 else blocks[:, :, 2:]).view(np.uint32)
-                if ggml_type == Q.Q4_1:
-                    m = _f16(blocks[:, :, 2:4])
-                else:
-                    z = 8
-        elif ggml_type in (Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K):
-            sub = 16 if ggml_type == Q.Q6_K else 32
-            codes = np.empty((n_out, n_in), np.uint8)
-            scale = np.empty((n_out, n_in // sub), np.float32)
-            offset = np.empty_like(scale)
-            unpack_rows(int(ggml_type), np.ascontiguousarray(raw), codes, scale, offset)
-            codes = codes.reshape(n_out, nb, kernels.QK)
-            qs, d = (_nibble_words if ggml_type == Q.Q4_K else _words)(codes), scale
-            if ggml_type == Q.Q5_0:  # offset -16 d
-                z = 16
-            elif ggml_type == Q.Q6_K:  # offset -32 d per 16 elements
-                z, d, d_hi = 32, scale[:, 0::2], scale[:, 1::2]
             else:
-                m = offset
+                codes = np.empty((n_out, nb, kernels.QK), np.uint8)
+                unpack_q5_codes(int(ggml_type), blocks.reshape(n_out, -1), codes.reshape(n_out, n_in))
+                qs = _words(codes)
+        elif ggml_type in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+            codes = np.empty((n_out, nb, kernels.QK), np.uint8)
+            d_super, m_super = np.empty((2, n_out, n_in // QK_K), np.float32)
+            six = ggml_type == Q.Q6_K  # int8 scales per 16 elements, offset -32 d
+            sc = np.empty((n_out, 2 * nb if six else nb), np.int8 if six else np.uint8)
+            m = np.empty((n_out, 0 if six else nb), np.uint8)
+            raw = np.ascontiguousarray(raw)
+            unpack_k_rows(int(ggml_type), raw, codes.reshape(n_out, n_in), sc, m, d_super, m_super)
+            if six:
+                z, d, d_hi, m, m_super = 32, sc[:, 0::2], sc[:, 1::2], None, None
+            else:
+                d, m_super = sc, -m_super  # m = -dmin * m_sc, exact
+            qs = (_nibble_words if ggml_type == Q.Q4_K else _words)(codes)
         else:
             w = dequantize(raw, ggml_type)  # F32 / F16 / BF16: widening to f32 is exact
             return cls(name, ggml_type, n_out, n_in, "dense", (_k_major(w),))
-        arrays = (qs, _k_major(d), None if d_hi is None else _k_major(d_hi), None if m is None else _k_major(m), z)
+        arrays = (qs,) + tuple(None if a is None else _k_major(a) for a in (d, d_hi, m)) + (z,) + tuple(
+            None if a is None else _k_major(a) for a in (d_super, m_super))
         return cls(name, ggml_type, n_out, n_in, "q", arrays)
 
     @property

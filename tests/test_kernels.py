@@ -13,6 +13,7 @@ The matmuls' documented summation order (including its explicit FMAs) and the de
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from fractions import Fraction
@@ -387,6 +388,49 @@ def test_matmul_follows_documented_summation_order(qtype, T):
     got = run_matmul(QMatrix.from_raw("w", qtype, raw, n_in), x)
     want = emulate_matmul_f32(qtype, raw, n_in, x)
     assert_bytes_equal(got, want, f"{qtype.name} T={T} vs documented order", axes=("token", "row"))
+
+
+# f16 scale bits the kernels widen in vector registers: zeros, subnormals, the smallest and largest normals, ordinary
+F16_EDGES = np.array([0x0000, 0x8000, 0x0001, 0x8001, 0x03FF, 0x83FF, 0x0400, 0x7BFF, 0xFBFF, 0x3C00, 0x2E66], np.uint16)
+_F16_MATMUL = """
+import sys
+import numpy as np
+from detinfer import jit
+from detinfer.weights import Activations, QMatrix
+from gguf import GGMLQuantizationType
+f = np.load(sys.argv[1])
+mat = QMatrix.from_raw("w", GGMLQuantizationType(int(f["qtype"])), f["raw"], f["x"].shape[1])
+out = np.empty((f["x"].shape[0], mat.n_out), np.float32)
+mat(f["x"], Activations.of(f["x"]), out)
+np.save(sys.argv[2], out)
+print(jit.int_dot_tier())
+"""
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+def test_matmul_widens_every_f16_scale_exactly(tmp_path, qtype):
+    """The 32-element block types' f16 d and m reach the kernel as bits and are widened in it: on the host's
+    tier (x86: F16C) and on the plain-IR tier (integer operations, compiled for numba's generic target in a fresh
+    process and cache), scales that are zero, subnormal or the largest normals give the documented order's
+    bytes. Control: flushing the subnormal scales to zero changes the expected bytes, so the data exercise them."""
+    n_out, n_in, T = R + 5, 256, 3
+    rng = np.random.default_rng(int(qtype) + 700)
+    raw = random_matrix(qtype, n_out, n_in, rng)
+    blocks = raw.reshape(-1).view(BLOCK_DTYPES[qtype])
+    for field in ("d", "m") if qtype == Q.Q4_1 else ("d",):
+        blocks[field] = rng.choice(F16_EDGES, blocks.shape).view(np.float16)
+    x = activations(rng, T, n_in)
+    want = emulate_matmul_f32(qtype, raw, n_in, x)
+    assert_bytes_equal(run_matmul(QMatrix.from_raw("w", qtype, raw, n_in), x), want, f"{qtype.name} host tier")
+    np.savez(tmp_path / "case.npz", qtype=int(qtype), raw=raw, x=x)
+    env = {**os.environ, "NUMBA_CPU_NAME": "generic", "NUMBA_CPU_FEATURES": "", "NUMBA_CACHE_DIR": str(tmp_path / "jit")}
+    proc = subprocess.run([sys.executable, "-c", _F16_MATMUL, str(tmp_path / "case.npz"), str(tmp_path / "out.npy")],
+                          capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.split() == ["generic"], proc.stderr[-2000:]
+    assert_bytes_equal(np.load(tmp_path / "out.npy"), want, f"{qtype.name} plain-IR tier")
+    bits = blocks["d"].view(np.uint16)
+    blocks["d"][(bits & 0x7C00 == 0) & (bits & 0x3FF != 0)] = 0.0
+    assert not np.array_equal(emulate_matmul_f32(qtype, raw, n_in, x).view(np.uint32), want.view(np.uint32))
 
 
 @pytest.mark.parametrize("qtype", MATRIX_TYPES, ids=lambda t: t.name)

@@ -9,10 +9,18 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from detinfer.gguf_file import SUPPORTED_TYPES, ModelFile
-from detinfer.quants import F16_TO_F32, dequantize, dequantize_row, f32_to_f16_array, f32_to_f16_bits, unpack_rows
+from detinfer.quants import (
+    F16_TO_F32,
+    dequantize,
+    dequantize_row,
+    f32_to_f16_array,
+    f32_to_f16_bits,
+    unpack_k_rows,
+    unpack_q5_codes,
+)
 
 K_QUANTS = [T.Q4_K, T.Q5_K, T.Q6_K]
-UNPACKED_TYPES = [T.Q5_0, T.Q5_1] + K_QUANTS  # the types unpack_rows serves
+UNPACKED_TYPES = [T.Q5_0, T.Q5_1] + K_QUANTS  # the types unpack_q5_codes (Q5_0, Q5_1) and unpack_k_rows serve
 ALL_TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1] + UNPACKED_TYPES
 QUANT_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]  # the ones gguf-py can also quantize
 
@@ -245,6 +253,30 @@ def test_dequantize_rejects_bad_input():
         dequantize_row(int(T.Q4_K), np.zeros(144, np.uint8), np.empty(512, np.float32))
 
 
+def unpacked(qtype, raw: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """(codes, scale, offset, sub) from unpack_q5_codes with the file's d and m, or from unpack_k_rows with its
+    integer sub-block scales times their super-block's float (exact in float64): element e of row r is
+    scale[r, e // sub] * codes[r, e] + offset[r, e // sub]. Every array starts filled (NaN, 127 or 255), so one
+    the function leaves unwritten shows."""
+    rows = raw.shape[0]
+    codes = np.full((rows, n), 255, np.uint8)
+    if qtype in (T.Q5_0, T.Q5_1):
+        unpack_q5_codes(int(qtype), raw, codes)
+        blocks = raw.reshape(-1).view(BLOCK_DTYPES[qtype]).reshape(rows, n // 32)
+        scale = blocks["d"].astype(np.float64)
+        return codes, scale, -16 * scale if qtype == T.Q5_0 else blocks["m"].astype(np.float64), 32
+    sub = 16 if qtype == T.Q6_K else 32
+    sc = np.full((rows, n // sub), 127, np.int8) if qtype == T.Q6_K else np.full((rows, n // 32), 255, np.uint8)
+    m = np.full((rows, 0 if qtype == T.Q6_K else n // 32), 255, np.uint8)
+    d, dmin = np.full((2, rows, n // 256), np.nan, np.float32)
+    unpack_k_rows(int(qtype), raw, codes, sc, m, d, dmin)
+    scale = np.repeat(d.astype(np.float64), 256 // sub, axis=1) * sc
+    if qtype == T.Q6_K:
+        return codes, scale, -32 * scale, sub
+    assert sc.max() < 64 and m.max() < 64
+    return codes, scale, -np.repeat(dmin.astype(np.float64), 8, axis=1) * m, sub
+
+
 @pytest.mark.parametrize("qtype", UNPACKED_TYPES, ids=lambda t: t.name)
 def test_unpack_rows_reconstructs_gguf_values(qtype):
     """scale * code + offset (exact in float64) is gguf-py's value up to gguf's own float32 roundings.
@@ -255,14 +287,10 @@ def test_unpack_rows_reconstructs_gguf_values(qtype):
     rng = np.random.default_rng(int(qtype) + 40)
     n = 512
     raw = random_rows(qtype, 4, n, rng)
-    sub = 16 if qtype == T.Q6_K else 32
-    codes = np.empty((4, n), np.uint8)
-    scale = np.full((4, n // sub), np.nan, np.float32)
-    offset = np.full((4, n // sub), np.nan, np.float32)
-    unpack_rows(int(qtype), raw, codes, scale, offset)
+    codes, scale, offset, sub = unpacked(qtype, raw, n)
     assert codes.max() < {T.Q4_K: 16, T.Q6_K: 64}.get(qtype, 32)
-    term = np.repeat(scale.astype(np.float64), sub, axis=1) * codes
-    off = np.repeat(offset.astype(np.float64), sub, axis=1)
+    term = np.repeat(scale, sub, axis=1) * codes
+    off = np.repeat(offset, sub, axis=1)
     want = gguf_dequantize(raw, qtype).astype(np.float64)
     if qtype in (T.Q5_0, T.Q6_K):
         bad = np.argwhere((term + off).astype(np.float32) != want.astype(np.float32))
@@ -270,11 +298,27 @@ def test_unpack_rows_reconstructs_gguf_values(qtype):
     else:
         err = np.abs(term + off - want)
         assert np.all(err <= 2.0**-24 * (np.abs(term) + np.abs(term + off)) * 1.0001), f"max error {err.max()}"
-    with pytest.raises(ValueError):
-        unpack_rows(int(T.Q4_1), raw, codes, scale, offset)
-    wrong_sub = 16 if sub == 32 else 32
-    with pytest.raises(ValueError):  # scales for the other sub-block size
-        unpack_rows(int(qtype), raw, codes, np.empty((4, n // wrong_sub), np.float32), offset)
+
+
+def test_unpack_rows_refuse_other_types_and_shapes():
+    n = 512
+    raw5, rawk = (random_rows(t, 4, n, np.random.default_rng(3)) for t in (T.Q5_1, T.Q4_K))
+    codes = np.empty((4, n), np.uint8)
+    with pytest.raises(ValueError, match="not a Q5_0 or Q5_1"):
+        unpack_q5_codes(int(T.Q4_1), raw5, codes)
+    with pytest.raises(ValueError, match="n elements"):  # Q5_1 rows read as Q5_0
+        unpack_q5_codes(int(T.Q5_0), raw5, codes)
+    unpack_q5_codes(int(T.Q5_1), raw5, codes)  # the control
+    sc, d = np.empty((4, n // 32), np.uint8), np.empty((4, n // 256), np.float32)
+    with pytest.raises(ValueError, match="not a Q4_K, Q5_K or Q6_K"):
+        unpack_k_rows(int(T.Q5_1), rawk, codes, sc, sc, d, d)
+    with pytest.raises(ValueError, match="row length"):  # Q4_K rows read as Q5_K
+        unpack_k_rows(int(T.Q5_K), rawk, codes, sc, sc, d, d)
+    with pytest.raises(ValueError, match="n // sub"):  # scales for Q6_K's 16-element sub-blocks
+        unpack_k_rows(int(T.Q4_K), rawk, codes, np.empty((4, n // 16), np.uint8), sc, d, d)
+    with pytest.raises(ValueError, match="shapes of sc and d"):
+        unpack_k_rows(int(T.Q4_K), rawk, codes, sc, sc[:, :1], d, d)
+    unpack_k_rows(int(T.Q4_K), rawk, codes, sc, sc.copy(), d, d.copy())  # the control: right shapes pass
 
 
 # ---- the real model ---------------------------------------------------------------------------------
