@@ -28,6 +28,7 @@ from .weights import Activations, Weights
 
 DEFAULT_N_CTX = 4096
 DEFAULT_CHUNK = 64  # prefill tokens per forward chunk: any value gives the same bytes
+GROUP_JOBS = 8  # attention takes a whole GQA group per job from this many (token, KV head) jobs on (same bytes)
 
 
 def set_threads(threads: int | None) -> int:
@@ -186,6 +187,7 @@ class Engine:
         qw, kvw = cfg.n_head * cfg.head_dim, cfg.kv_width
         eps = np.float32(cfg.rms_norm_eps)
         chunk = T > 1  # per-token kernels: tokens in parallel for a chunk, plain calls for one token
+        heads_per_job = cfg.n_head // cfg.n_head_kv if T * cfg.n_head_kv >= GROUP_JOBS else 1
         norm = kernels.rmsnorm_tokens if chunk else kernels.rmsnorm
         norm_heads = kernels.rmsnorm_heads_tokens if chunk else kernels.rmsnorm_heads
         rope = self._rope_tokens if chunk else self._rope
@@ -208,9 +210,8 @@ class Engine:
             rope(q, positions, cfg.n_head, cfg.head_dim, cos, sin)
             rope(k, positions, cfg.n_head_kv, cfg.head_dim, cos, sin)
             kv_write(cache.k[li], cache.v[li], k, v, pos0)
-            kernels.attention(
-                s.qkv, cache.k[li], cache.v[li], pos0, cfg.n_head, self.attn_scale, cache.lut, s.attn, self._layer_window[li]
-            )
+            kernels.attention(s.qkv, cache.k[li], cache.v[li], pos0, cfg.n_head, self.attn_scale, cache.lut, s.attn,
+                              self._layer_window[li], heads_per_job)  # fmt: skip
             layer.attn_output(s.attn, self._codes(s, s.attn), s.proj)
             if layer.post_attention_norm is not None:
                 norm(s.proj, layer.post_attention_norm, eps, s.proj)

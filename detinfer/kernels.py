@@ -539,7 +539,7 @@ def kv_write(k_cache, v_cache, k, v, pos0):
 
 
 @njit(cache=True, parallel=True, error_model="numpy")
-def attention(q, k_cache, v_cache, pos0, n_head, scale, lut, out, window=0):
+def attention(q, k_cache, v_cache, pos0, n_head, scale, lut, out, window=0, heads_per_job=1):
     """Causal grouped-query attention of T query tokens at positions pos0.. against the KV cache.
 
     q: float32 [T, >= n_head*head_dim] (after RoPE), the queries in its first n_head*head_dim columns (the
@@ -552,58 +552,78 @@ def attention(q, k_cache, v_cache, pos0, n_head, scale, lut, out, window=0):
     For query t at position p = pos0 + t and every visible key position i <= p, in increasing i:
     score_i = (sum over d of q_d * k_id, d left to right) * scale; m = max_i score_i;
     e_i = exp32(score_i - m); z = sum of e_i, i left to right; out_d = (sum of e_i * v_id, i left to right) / z.
-    Parallel over (token, head) pairs only, ordered KV head by KV head, then token, then the query heads of the
-    KV head's group: consecutive jobs read the same keys and values while they are in cache.
+    Parallel over (token, query heads) jobs only, ordered KV head by KV head, then token, then the query heads of
+    the KV head's group, ``heads_per_job`` of them (a divisor of the group size) per job: one job reads its keys
+    and values once for all its heads, while they are in the L1 cache. Every score and output keeps the order
+    above whatever heads_per_job is (speed only: the engine takes whole groups for chunks, one head for decode,
+    where a group per job would leave threads idle).
     """
     T = q.shape[0]
     n_kv, hd = k_cache.shape[0], k_cache.shape[1]
     group = n_head // n_kv
-    for job in prange(T * n_head):
-        g, t = job // (T * group), job // group % T
-        h = g * group + job % group
+    hp = heads_per_job
+    per_token = group // hp
+    for job in prange(T * n_kv * per_token):
+        g, t = job // (T * per_token), job // per_token % T
+        h0 = g * group + job % per_token * hp
         p = pos0 + t
         lo = max(0, p - window + 1) if window > 0 else 0  # first visible key position
         n = p + 1 - lo
         qt = q[t]
-        s = np.zeros(n, np.float32)
+        s = np.zeros((hp, n), np.float32)
         dd = 0
         while dd + 4 <= hd:  # four dimensions per pass over the scores, each still added in turn
-            q0, q1, q2, q3 = qt[h * hd + dd], qt[h * hd + dd + 1], qt[h * hd + dd + 2], qt[h * hd + dd + 3]
             k0, k1 = k_cache[g, dd, lo:], k_cache[g, dd + 1, lo:]
             k2, k3 = k_cache[g, dd + 2, lo:], k_cache[g, dd + 3, lo:]
-            for i in range(n):
-                s[i] = (((s[i] + q0 * kv_load(k0, i, lut)) + q1 * kv_load(k1, i, lut)) + q2 * kv_load(k2, i, lut)) + q3 * kv_load(k3, i, lut)
+            for j in range(hp):
+                o = (h0 + j) * hd + dd
+                q0, q1, q2, q3 = qt[o], qt[o + 1], qt[o + 2], qt[o + 3]
+                sj = s[j]
+                for i in range(n):
+                    sj[i] = (((sj[i] + q0 * kv_load(k0, i, lut)) + q1 * kv_load(k1, i, lut)) + q2 * kv_load(k2, i, lut)) + q3 * kv_load(k3, i, lut)
             dd += 4
         for d in range(dd, hd):
-            qd = qt[h * hd + d]
             krow = k_cache[g, d, lo:]
+            for j in range(hp):
+                qd = qt[(h0 + j) * hd + d]
+                sj = s[j]
+                for i in range(n):
+                    sj[i] += qd * kv_load(krow, i, lut)
+        z = np.empty(hp, np.float32)
+        for j in range(hp):
+            sj = s[j]
+            mx = np.float32(-np.inf)
             for i in range(n):
-                s[i] += qd * kv_load(krow, i, lut)
-        mx = np.float32(-np.inf)
-        for i in range(n):
-            s[i] = s[i] * scale
-            mx = max(mx, s[i])
-        for i in range(n):  # apart from the sum below, so it vectorizes
-            s[i] = exp32(s[i] - mx)
-        z = np.float32(0.0)
-        for i in range(n):
-            z += s[i]
-        acc = np.zeros(hd, np.float32)
+                sj[i] = sj[i] * scale
+                mx = max(mx, sj[i])
+            for i in range(n):  # apart from the sum below, so it vectorizes
+                sj[i] = exp32(sj[i] - mx)
+            zj = np.float32(0.0)
+            for i in range(n):
+                zj += sj[i]
+            z[j] = zj
+        acc = np.zeros((hp, hd), np.float32)
         i = 0
         while i + 4 <= n:  # four positions per pass over the head's dimensions, each still added in turn
-            e0, e1, e2, e3 = s[i], s[i + 1], s[i + 2], s[i + 3]
             v0, v1, v2, v3 = v_cache[g, lo + i], v_cache[g, lo + i + 1], v_cache[g, lo + i + 2], v_cache[g, lo + i + 3]
-            for d in range(hd):
-                acc[d] = (((acc[d] + e0 * kv_load(v0, d, lut)) + e1 * kv_load(v1, d, lut)) + e2 * kv_load(v2, d, lut)) + e3 * kv_load(v3, d, lut)
+            for j in range(hp):
+                e0, e1, e2, e3 = s[j, i], s[j, i + 1], s[j, i + 2], s[j, i + 3]
+                aj = acc[j]
+                for d in range(hd):
+                    aj[d] = (((aj[d] + e0 * kv_load(v0, d, lut)) + e1 * kv_load(v1, d, lut)) + e2 * kv_load(v2, d, lut)) + e3 * kv_load(v3, d, lut)
             i += 4
-        for j in range(i, n):
-            e = s[j]
-            vrow = v_cache[g, lo + j]
-            for d in range(hd):
-                acc[d] += e * kv_load(vrow, d, lut)
+        for i in range(i, n):
+            vrow = v_cache[g, lo + i]
+            for j in range(hp):
+                e = s[j, i]
+                aj = acc[j]
+                for d in range(hd):
+                    aj[d] += e * kv_load(vrow, d, lut)
         ot = out[t]
-        for dd in range(hd):
-            ot[h * hd + dd] = acc[dd] / z
+        for j in range(hp):
+            o = (h0 + j) * hd
+            for d in range(hd):
+                ot[o + d] = acc[j, d] / z[j]
 
 
 # --- Operators of other architectures (see detinfer/arch.py) ---------------------------------------------

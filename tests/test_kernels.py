@@ -638,19 +638,23 @@ def attention_oracle(q: np.ndarray, kc, vc, lut, pos0: int) -> np.ndarray:
     return out.reshape(T, N_HEAD * HD), np.broadcast_to(tol, (T, N_HEAD, HD)).reshape(T, N_HEAD * HD)
 
 
-def run_attention(q, kc, vc, lut, pos0):
+def run_attention(q, kc, vc, lut, pos0, heads_per_job=1):
     out = np.full(q.shape, np.nan, np.float32)
-    kernels.attention(q, kc, vc, pos0, N_HEAD, SCALE, lut, out)
+    kernels.attention(q, kc, vc, pos0, N_HEAD, SCALE, lut, out, 0, heads_per_job)
     return out
 
 
+GROUP = N_HEAD // N_KV
+
+
+@pytest.mark.parametrize("heads_per_job", [1, GROUP], ids=lambda h: f"heads{h}")
 @pytest.mark.parametrize("kv_type", ["f32", "f16"])
 @pytest.mark.parametrize("pos0, T", [(0, 1), (0, 5), (7, 1), (7, 3), (18, 5)])
-def test_attention_matches_float64_oracle(kv_type, pos0, T):
+def test_attention_matches_float64_oracle(kv_type, pos0, T, heads_per_job):
     rng = np.random.default_rng([pos0, T, len(kv_type)])
     kc, vc, lut = fill_cache(kv_type, rng, pos0 + T)
     q = (rng.standard_normal((T, N_HEAD * HD)) * 3).astype(np.float32)  # scores with std ~3: peaked softmax
-    got = run_attention(q, kc, vc, lut, pos0)
+    got = run_attention(q, kc, vc, lut, pos0, heads_per_job)
     ref, tol = attention_oracle(q, kc, vc, lut, pos0)
     v_max = np.abs(lut[vc] if kv_type == "f16" else vc)[:, : pos0 + T].max()
     assert tol.max() < 1e-3 * v_max, "tolerance too loose to catch anything"
@@ -668,7 +672,7 @@ def test_attention_chunk_equals_one_token_calls(kv_type):
     v = rng.standard_normal((T, N_KV * HD)).astype(np.float32)
     q = (rng.standard_normal((T, N_HEAD * HD)) * 3).astype(np.float32)
     kernels.kv_write(kc, vc, k, v, pos0)
-    chunk = run_attention(q, kc, vc, lut, pos0)
+    chunk = run_attention(q, kc, vc, lut, pos0, GROUP)  # as the engine runs chunks
     singles = []
     for t in range(T):
         kernels.kv_write(kc2, vc2, k[t : t + 1], v[t : t + 1], pos0 + t)
@@ -679,15 +683,30 @@ def test_attention_chunk_equals_one_token_calls(kv_type):
 
 
 @pytest.mark.parametrize("kv_type", ["f32", "f16"])
+def test_attention_same_bytes_whatever_heads_per_job(kv_type):
+    """A job attends with 1 or a whole group of query heads (one pass over the keys and values for all of them):
+    every byte is the same. Control: one query element scaled by 1 + 2^-10 changes the output."""
+    rng = np.random.default_rng(12)
+    kc, vc, lut = fill_cache(kv_type, rng, 20)
+    q = (rng.standard_normal((6, N_HEAD * HD)) * 3).astype(np.float32)
+    one = run_attention(q, kc, vc, lut, 14)
+    assert not np.isnan(one).any()
+    assert_bytes_equal(run_attention(q, kc, vc, lut, 14, GROUP), one, f"attention {kv_type}: {GROUP} heads per job vs 1")
+    nudged = q.copy()
+    nudged[3, HD + 5] *= np.float32(1 + 2**-10)
+    assert not np.array_equal(run_attention(nudged, kc, vc, lut, 14, GROUP).view(np.uint32), one.view(np.uint32))
+
+
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
 def test_attention_same_bytes_at_one_and_two_threads(kv_type, restore_threads):
     two_threads_or_skip()
     rng = np.random.default_rng(9)
     kc, vc, lut = fill_cache(kv_type, rng, 20)
     q = (rng.standard_normal((5, N_HEAD * HD)) * 3).astype(np.float32)
     numba.set_num_threads(1)
-    one = run_attention(q, kc, vc, lut, 15)
+    one = run_attention(q, kc, vc, lut, 15, GROUP)
     numba.set_num_threads(2)
-    two = run_attention(q, kc, vc, lut, 15)
+    two = run_attention(q, kc, vc, lut, 15, GROUP)
     assert_bytes_equal(two, one, f"attention {kv_type}: 2 threads vs 1")
 
 
