@@ -53,7 +53,7 @@ def _words(codes: np.ndarray) -> np.ndarray:
 
 def _f16_bits(raw: np.ndarray) -> np.ndarray:
     """Little-endian f16 bytes [..., 2] -> their bits, uint16 [...] (the kernels widen them exactly)."""
-    return np.ascontiguousarray(raw).view("<u2")[..., 0].astype(np.uint16)
+    return np.ascontiguousarray(raw).view("<u2")[..., 0].astype(np.uint16, copy=False)
 
 
 def _nibble_words(codes: np.ndarray) -> np.ndarray:
@@ -112,12 +112,13 @@ class QMatrix:
     @classmethod
     def from_raw(cls, name: str, ggml_type: GGMLQuantizationType, raw: np.ndarray, n_in: int) -> "QMatrix":
         """Repack raw GGUF rows (uint8 [n_out, row_bytes]) of ``ggml_type`` into the kernels' layout."""
+        raw = np.ascontiguousarray(raw)
         n_out = raw.shape[0]
         nb = n_in // kernels.QK
         d_hi = m = d_super = m_super = None
         z = 0
         if ggml_type in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1):  # 32-element blocks: f16 d (and m), then the codes
-            blocks = np.ascontiguousarray(raw).reshape(n_out, nb, GGML_QUANT_SIZES[ggml_type][1])
+            blocks = raw.reshape(n_out, nb, GGML_QUANT_SIZES[ggml_type][1])
             d = _f16_bits(blocks[:, :, 0:2])
             if ggml_type in (Q.Q4_1, Q.Q5_1):
                 m = _f16_bits(blocks[:, :, 2:4])
@@ -128,7 +129,7 @@ class QMatrix:
                 qs = _words(blocks[:, :, 4:] if ggml_type == Q.Q4_1 else blocks[:, :, 2:]).view(np.uint32)
             else:
                 codes = np.empty((n_out, nb, kernels.QK), np.uint8)
-                unpack_q5_codes(int(ggml_type), blocks.reshape(n_out, -1), codes.reshape(n_out, n_in))
+                unpack_q5_codes(int(ggml_type), raw, codes.reshape(n_out, n_in))
                 qs = _words(codes)
         elif ggml_type in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
             codes = np.empty((n_out, nb, kernels.QK), np.uint8)
@@ -136,7 +137,6 @@ class QMatrix:
             six = ggml_type == Q.Q6_K  # int8 scales per 16 elements, offset -32 d
             sc = np.empty((n_out, 2 * nb if six else nb), np.int8 if six else np.uint8)
             m = np.empty((n_out, 0 if six else nb), np.uint8)
-            raw = np.ascontiguousarray(raw)
             unpack_k_rows(int(ggml_type), raw, codes.reshape(n_out, n_in), sc, m, d_super, m_super)
             if six:
                 z, d, d_hi, m, m_super = 32, sc[:, 0::2], sc[:, 1::2], None, None
