@@ -180,14 +180,18 @@ def _f16_to_f32(builder, tier, h):
 
 
 def _make_qblock(nt):
-    """An intrinsic qblock(qb, xb, at, db, hb, mb, z, dxs, sxs, sdb, smb): one block of a row group for ``nt``
+    """An intrinsic qblock(qb, qhb, xb, at, db, hb, mb, z, dxs, sxs, sdb, smb): one block of a row group for ``nt``
     tokens, the whole per-block step of :func:`matmul_q` in vector registers. The weight vectors are loaded and
     unpacked once for all ``nt`` tokens; per token t and row r the exact integer dots lo = sum_{e<16} c[r, e]
     xq[t, e] and hi = sum_{e>=16} c[r, e] xq[t, e] (int32, |lo + hi| < 2^21), then at[t*ROWS + r] = fma(dx, u,
     at[t*ROWS + r]) with u as in :func:`matmul_q`.
     qb: one block of the row group: uint32 [4*ROWS] packed nibbles (byte i of word g*ROWS + r holds codes
-    e = 4g + i in its low nibble and 16 + 4g + i in its high nibble, of row r), or uint8 [32*ROWS] unsigned codes
-    (0..63) / int8 [32*ROWS] signed codes (byte i of word g*ROWS + r is code e = 4g + i of row r);
+    e = 4g + i in its low nibble and 16 + 4g + i in its high nibble, of row r), or int8 [32*ROWS] signed codes
+    (byte i of word g*ROWS + r is code e = 4g + i of row r);
+    qhb: None for 4-bit and signed codes; for 5- and 6-bit codes (0..63), the higher bits of the nibbles' codes:
+    uint32 [ROWS] (bit 4) or [2, ROWS] (bits 4 and 5), plane p, word r: bit g of byte i holds bit 4 + p of code
+    4g + i of row r, bit 4 + g that of code 16 + 4g + i (g, i < 4), so one shift and mask per plane and nibble
+    word moves them onto the nibbles' bytes;
     xb: int8 [nt, 32] activation codes; at: float32 [nt*ROWS] accumulators; db, hb, mb: [ROWS] the block's d,
     d_hi (or None) and m (or None): float32, float16 bits (uint16, widened exactly by :func:`_f16_to_f32`), or
     integer sub-block scales (uint8, int8) when sdb (for d and d_hi) and smb (for m) give their super-block's
@@ -195,9 +199,10 @@ def _make_qblock(nt):
     sxs: int32 [nt, 2] the activation codes' half sums (rows of xb, dxs, sxs may be strided)."""
 
     @intrinsic
-    def qblock(typingctx, qb, xb, at, db, hb, mb, z, dxs, sxs, sdb, smb):
+    def qblock(typingctx, qb, qhb, xb, at, db, hb, mb, z, dxs, sxs, sdb, smb):
         nibbles = qb.dtype == types.uint32
         signed = qb.dtype == types.int8
+        planes = 0 if isinstance(qhb, types.NoneType) else qhb.ndim
         halves = not isinstance(hb, types.NoneType)
         offset = not isinstance(mb, types.NoneType)
 
@@ -206,7 +211,7 @@ def _make_qblock(nt):
             n = 8 if tier == "avx2" else 16
             vi, vf = _vec(_I32, n), _vec(ir.FloatType(), n)
             arr = {i: context.make_array(sig.args[i])(context, builder, args[i])
-                   for i in (0, 1, 2, 3, 4, 5, 7, 8, 9, 10) if not isinstance(sig.args[i], types.NoneType)}
+                   for i in (0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11) if not isinstance(sig.args[i], types.NoneType)}
 
             def ptr(i, ty):
                 return builder.bitcast(arr[i].data, ty.as_pointer())
@@ -232,35 +237,46 @@ def _make_qblock(nt):
                 u = builder.insert_element(ir.Constant(vf, ir.Undefined), v, _I32(0))
                 return builder.shuffle_vector(u, u, ir.Constant(vi, [0] * n))
 
+            def const(v):
+                return ir.Constant(vi, [v] * n)
+
+            def move(w, src, dst):  # w's bits src of each byte to bits dst (other bits masked off)
+                moved = builder.shl(w, const(dst - src)) if dst > src else builder.lshr(w, const(src - dst)) if src > dst else w
+                return builder.and_(moved, const(0x01010101 << dst))
+
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{n}f32")
-            q, at = ptr(0, _I32), ptr(2, ir.FloatType())
-            zi = builder.trunc(args[6], _I32) if args[6].type.width > 32 else args[6]
+            q, at = ptr(0, _I32), ptr(3, ir.FloatType())
+            zi = builder.trunc(args[7], _I32) if args[7].type.width > 32 else args[7]
             xs, dx, s = [], [], []
             for t in range(nt):
-                xt = row(1, t, _I32)
+                xt = row(2, t, _I32)
                 xs.append([_splat(builder, builder.load(builder.gep(xt, [_I32(i)]), align=1), n) for i in range(8)])
-                dx.append(splat_f(builder.load(row(7, t, ir.FloatType()))))
-                st = row(8, t, _I32)
+                dx.append(splat_f(builder.load(row(8, t, ir.FloatType()))))
+                st = row(9, t, _I32)
                 s.append([builder.load(builder.gep(st, [_I32(h)])) for h in range(2)])
-            mask = ir.Constant(vi, [0x0F0F0F0F] * n)
-            zero = ir.Constant(vi, [0] * n)
+            mask = const(0x0F0F0F0F)
+            zero = const(0)
             n_acc = 2 if halves else 1
             for r0 in range(0, ROWS, n):
                 acc = [[zero] * n_acc for _ in range(nt)]
+                high = [vload(ptr(1, _I32), p * ROWS + r0, vi) for p in range(planes)]
                 for g in range(4 if nibbles else 8):
                     v = vload(q, g * ROWS + r0, vi)
                     if nibbles:
-                        parts = ((0, g, builder.and_(v, mask)),
-                                 (1, 4 + g, builder.and_(builder.lshr(v, ir.Constant(vi, [4] * n)), mask)))
+                        lo, hi = builder.and_(v, mask), builder.and_(builder.lshr(v, const(4)), mask)
+                        for p, w in enumerate(high):
+                            lo = builder.or_(lo, move(w, g, 4 + p))
+                            hi = builder.or_(hi, move(w, 4 + g, 4 + p))
+                        parts = ((0, g, lo), (1, 4 + g, hi))
                     else:
                         parts = ((g // 4, g, v),)
                     for half, xg, codes in parts:
                         h = half if halves else 0
                         for t in range(nt):
                             acc[t][h] = _dot4(builder, tier, acc[t][h], codes, xs[t][xg], signed)
-                d = scale(3, 9, r0)
-                dh = scale(4, 9, r0) if halves else None
-                m = scale(5, 10, r0) if offset else None
+                d = scale(4, 10, r0)
+                dh = scale(5, 10, r0) if halves else None
+                m = scale(6, 11, r0) if offset else None
                 for t in range(nt):
                     s0, s1 = s[t]
                     if halves:  # u = fma(d_hi, float(hi - z s1), d * float(lo - z s0))
@@ -277,7 +293,7 @@ def _make_qblock(nt):
                     builder.store(builder.call(fma, [dx[t], u, builder.load(pa, align=1)]), pa, align=1)
             return context.get_dummy_value()
 
-        return types.none(qb, xb, at, db, hb, mb, z, dxs, sxs, sdb, smb), codegen
+        return types.none(qb, qhb, xb, at, db, hb, mb, z, dxs, sxs, sdb, smb), codegen
 
     return qblock
 
@@ -330,14 +346,15 @@ def quantize_blocks(x, xq, dx, sx):
 
 
 @njit(cache=True, parallel=True)
-def matmul_q(qs, d, d_hi, m, z, d_super, m_super, xq, dx, sx, out):
+def matmul_q(qs, qh, d, d_hi, m, z, d_super, m_super, xq, dx, sx, out):
     """out[T, n_out] = x @ W.T for block-quantized weights (every GGUF type detinfer reads but F32/F16/BF16), from
     the activation codes of :func:`quantize_blocks` (xq int8 [T, n_in], dx float32 [T, nb], sx int32 [T, 2 nb]).
 
     Weights, per row and 32-element block: element e = d * (c_e - z) + m (ggml-quants.c ``dequantize_row_*``;
     weights.QMatrix gives each type's c, z, d, m), repacked for the integer dots (see :func:`_make_qblock`) as
-    qs [G, nb, ...]: uint32 packed nibbles (4-bit codes), uint8 (5- and 6-bit codes) or int8 (Q8_0's signed
-    codes); d [G, nb, ROWS] (for Q6_K the scale of elements 0-15 and d_hi that of 16-31, else d_hi None);
+    qs [G, nb, ...]: uint32 packed nibbles (the low 4 bits of 4-, 5- and 6-bit codes) or int8 (Q8_0's signed
+    codes); qh: the 5- and 6-bit codes' higher bits, uint32 [G, nb, ROWS] or [G, nb, 2, ROWS] (planes of
+    :func:`_make_qblock`; None for the other types); d [G, nb, ROWS] (for Q6_K the scale of elements 0-15 and d_hi that of 16-31, else d_hi None);
     m [G, nb, ROWS] or None; z: int zero point (0 with m). The scales keep the file's precision, so there are
     fewer bytes to stream, and are widened to float32 exactly in the kernel: the 32-element block types' f16 d
     and m as float16 bits (uint16); the k-quants' (Q4_K, Q5_K, Q6_K) integer sub-block scales as integers (uint8
@@ -358,21 +375,24 @@ def matmul_q(qs, d, d_hi, m, z, d_super, m_super, xq, dx, sx, out):
     for g in prange(G):
         row0 = g * ROWS
         n = min(ROWS, n_out - row0)
-        qg, dg, hg, mg, sdg, smg = qs[g], d[g], _sub(d_hi, g), _sub(m, g), _sub(d_super, g), _sub(m_super, g)
+        qg, qhg, dg, hg, mg = qs[g], _sub(qh, g), d[g], _sub(d_hi, g), _sub(m, g)
+        sdg, smg = _sub(d_super, g), _sub(m_super, g)
         acc = np.zeros(T * ROWS, np.float32)
         for b in range(nb):
             _prefetch_rows(qg, b + PREFETCH_BLOCKS)
+            _prefetch_rows(qhg, b + PREFETCH_BLOCKS)
             _prefetch_rows(dg, b + PREFETCH_BLOCKS)
             _prefetch_rows(hg, b + PREFETCH_BLOCKS)
             _prefetch_rows(mg, b + PREFETCH_BLOCKS)
-            qb, db, hb, mb, sdb, smb = qg[b], dg[b], _sub(hg, b), _sub(mg, b), _sub(sdg, b // 8), _sub(smg, b // 8)
+            qb, qhb, db, hb, mb = qg[b], _sub(qhg, b), dg[b], _sub(hg, b), _sub(mg, b)
+            sdb, smb = _sub(sdg, b // 8), _sub(smg, b // 8)
             t = 0
             while t + TOKENS <= T:
-                _qblock4(qb, xq[t : t + TOKENS, b * QK : b * QK + QK], acc[t * ROWS : (t + TOKENS) * ROWS], db, hb,
-                         mb, z, dx[t : t + TOKENS, b], sx[t : t + TOKENS, 2 * b : 2 * b + 2], sdb, smb)  # fmt: skip
+                _qblock4(qb, qhb, xq[t : t + TOKENS, b * QK : b * QK + QK], acc[t * ROWS : (t + TOKENS) * ROWS], db,
+                         hb, mb, z, dx[t : t + TOKENS, b], sx[t : t + TOKENS, 2 * b : 2 * b + 2], sdb, smb)  # fmt: skip
                 t += TOKENS
             while t < T:
-                _qblock1(qb, xq[t : t + 1, b * QK : b * QK + QK], acc[t * ROWS : (t + 1) * ROWS], db, hb, mb, z,
+                _qblock1(qb, qhb, xq[t : t + 1, b * QK : b * QK + QK], acc[t * ROWS : (t + 1) * ROWS], db, hb, mb, z,
                          dx[t : t + 1, b], sx[t : t + 1, 2 * b : 2 * b + 2], sdb, smb)  # fmt: skip
                 t += 1
         for t in range(T):

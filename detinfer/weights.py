@@ -63,6 +63,20 @@ def _nibble_words(codes: np.ndarray) -> np.ndarray:
     return _words(c[..., :16] | (c[..., 16:] << np.uint8(4))).view(np.uint32)
 
 
+def _high_planes(codes: np.ndarray, n_planes: int) -> np.ndarray:
+    """Bit 4 (and 5) of 5-bit (6-bit) codes uint8 [n, nb, 32] -> uint32 [G, nb, ROWS] (one plane) or
+    [G, nb, 2, ROWS]: bit g of byte i of plane p holds bit 4 + p of code 4g + i, bit 4 + g that of code
+    16 + 4g + i (g, i < 4), beside the nibbles of :func:`_nibble_words` (layout in kernels._make_qblock)."""
+    n, nb, _ = codes.shape
+    shifts = (4 * np.arange(2)[:, None] + np.arange(4)).astype(np.uint8)[:, :, None]  # [half, g, 1]
+    planes = []
+    for p in range(n_planes):
+        bits = ((codes >> np.uint8(4 + p)) & np.uint8(1)).reshape(n, nb, 2, 4, 4)  # [n, nb, half, g, i]
+        byte = (bits << shifts).sum(axis=(2, 3), dtype=np.uint8)  # [n, nb, i]: disjoint bits, so + is |
+        planes.append(_k_major(byte.view(np.uint32)[..., 0]))
+    return planes[0] if n_planes == 1 else np.ascontiguousarray(np.stack(planes, axis=2))
+
+
 class Activations(NamedTuple):
     """A matmul input's 8-bit block codes, from kernels.quantize_blocks (see there): xq int8 [T, n_in],
     dx float32 [T, n_in // 32] (block scales), sx int32 [T, n_in // 16] (half-block sums of the codes)."""
@@ -89,12 +103,13 @@ class Activations(NamedTuple):
 class QMatrix:
     """A weight matrix of shape (n_out, n_in) ready for the matmul kernels.
 
-    kind "q" (every block type): arrays (qs, d, d_hi, m, z, d_super, m_super) of kernels.matmul_q, element e of a
-    32-element block = d * (c_e - z) + m, every scale and offset exact in float32 (ggml-quants.c
+    kind "q" (every block type): arrays (qs, qh, d, d_hi, m, z, d_super, m_super) of kernels.matmul_q, element e
+    of a 32-element block = d * (c_e - z) + m, every scale and offset exact in float32 (ggml-quants.c
     ``dequantize_row_*``), the 32-element block types' f16 d and m kept as their bits (uint16):
       - 4-bit codes c in 0..15, packed nibbles: Q4_0 (z = 8), Q4_1 (m), Q4_K;
-      - 5- and 6-bit codes, one byte each: Q5_0 (z = 16), Q5_1 (m), Q5_K, Q6_K (z = 32 and a scale per 16
-        elements: d for elements 0-15, d_hi for 16-31);
+      - 5- and 6-bit codes, packed nibbles plus one or two planes of their higher bits (qh), as dense as the
+        file: Q5_0 (z = 16), Q5_1 (m), Q5_K, Q6_K (z = 32 and a scale per 16 elements: d for elements 0-15,
+        d_hi for 16-31);
       - Q8_0: signed codes, one byte each.
     The k-quants keep their integer sub-block scales (Q4_K, Q5_K: uint8 sc as d and m_sc as m; Q6_K: int8) and
     their super-blocks' f16 factors widened to float32 (d_super = d; m_super = -dmin): the kernel's products
@@ -115,7 +130,7 @@ class QMatrix:
         raw = np.ascontiguousarray(raw)
         n_out = raw.shape[0]
         nb = n_in // kernels.QK
-        d_hi = m = d_super = m_super = None
+        qh = d_hi = m = d_super = m_super = None
         z = 0
         if ggml_type in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1):  # 32-element blocks: f16 d (and m), then the codes
             blocks = raw.reshape(n_out, nb, GGML_QUANT_SIZES[ggml_type][1])
@@ -130,7 +145,7 @@ class QMatrix:
             else:
                 codes = np.empty((n_out, nb, kernels.QK), np.uint8)
                 unpack_q5_codes(int(ggml_type), raw, codes.reshape(n_out, n_in))
-                qs = _words(codes)
+                qs, qh = _nibble_words(codes), _high_planes(codes, 1)
         elif ggml_type in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
             codes = np.empty((n_out, nb, kernels.QK), np.uint8)
             d_super, m_super = np.empty((2, n_out, n_in // QK_K), np.float32)
@@ -142,11 +157,13 @@ class QMatrix:
                 z, d, d_hi, m, m_super = 32, sc[:, 0::2], sc[:, 1::2], None, None
             else:
                 d, m_super = sc, -m_super  # m = -dmin * m_sc, exact
-            qs = (_nibble_words if ggml_type == Q.Q4_K else _words)(codes)
+            qs = _nibble_words(codes)
+            if ggml_type != Q.Q4_K:
+                qh = _high_planes(codes, 2 if six else 1)
         else:
             w = dequantize(raw, ggml_type)  # F32 / F16 / BF16: widening to f32 is exact
             return cls(name, ggml_type, n_out, n_in, "dense", (_k_major(w),))
-        arrays = (qs,) + tuple(None if a is None else _k_major(a) for a in (d, d_hi, m)) + (z,) + tuple(
+        arrays = (qs, qh) + tuple(None if a is None else _k_major(a) for a in (d, d_hi, m)) + (z,) + tuple(
             None if a is None else _k_major(a) for a in (d_super, m_super))
         return cls(name, ggml_type, n_out, n_in, "q", arrays)
 
