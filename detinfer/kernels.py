@@ -255,10 +255,21 @@ def _make_qblock(nt):
                 st = row(9, t, _I32)
                 s.append([builder.load(builder.gep(st, [_I32(h)])) for h in range(2)])
             mask = const(0x0F0F0F0F)
-            zero = const(0)
             n_acc = 2 if halves else 1
+            # VNNI multiplies unsigned by signed bytes: signed codes c go in as c + 128 (one xor per weight vector,
+            # shared by the nt tokens) and each accumulator starts at -128 times the sum of the activation codes
+            # it covers, so it ends at the same exact integer as with _dot4's sign fix-up, which costs more.
+            biased = signed and tier == "vnni512"
+
+            def start(t, h):
+                if not biased:
+                    return const(0)
+                covered = s[t][h] if halves else builder.add(*s[t])
+                return _splat(builder, builder.mul(covered, _I32(-128)), n)
+
+            starts = [[start(t, h) for h in range(n_acc)] for t in range(nt)]
             for r0 in range(0, ROWS, n):
-                acc = [[zero] * n_acc for _ in range(nt)]
+                acc = [list(a) for a in starts]
                 high = [vload(ptr(1, _I32), p * ROWS + r0, vi) for p in range(planes)]
                 for g in range(4 if nibbles else 8):
                     v = vload(q, g * ROWS + r0, vi)
@@ -269,11 +280,11 @@ def _make_qblock(nt):
                             hi = builder.or_(hi, move(w, 4 + g, 4 + p))
                         parts = ((0, g, lo), (1, 4 + g, hi))
                     else:
-                        parts = ((g // 4, g, v),)
+                        parts = ((g // 4, g, builder.xor(v, const(0x80808080)) if biased else v),)
                     for half, xg, codes in parts:
                         h = half if halves else 0
                         for t in range(nt):
-                            acc[t][h] = _dot4(builder, tier, acc[t][h], codes, xs[t][xg], signed)
+                            acc[t][h] = _dot4(builder, tier, acc[t][h], codes, xs[t][xg], signed and not biased)
                 d = scale(4, 10, r0)
                 dh = scale(5, 10, r0) if halves else None
                 m = scale(6, 11, r0) if offset else None
