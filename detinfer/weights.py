@@ -67,13 +67,14 @@ def _high_planes(codes: np.ndarray, n_planes: int) -> np.ndarray:
     """Bit 4 (and 5) of 5-bit (6-bit) codes uint8 [n, nb, 32] -> uint32 [G, nb, ROWS] (one plane) or
     [G, nb, 2, ROWS]: bit g of byte i of plane p holds bit 4 + p of code 4g + i, bit 4 + g that of code
     16 + 4g + i (g, i < 4), beside the nibbles of :func:`_nibble_words` (layout in kernels._make_qblock)."""
-    n, nb, _ = codes.shape
-    shifts = (4 * np.arange(2)[:, None] + np.arange(4)).astype(np.uint8)[:, :, None]  # [half, g, 1]
+    words = np.ascontiguousarray(codes).view("<u4")  # [n, nb, 8]: byte i of word w = 4 half + g is code 4w + i
     planes = []
     for p in range(n_planes):
-        bits = ((codes >> np.uint8(4 + p)) & np.uint8(1)).reshape(n, nb, 2, 4, 4)  # [n, nb, half, g, i]
-        byte = (bits << shifts).sum(axis=(2, 3), dtype=np.uint8)  # [n, nb, i]: disjoint bits, so + is |
-        planes.append(_k_major(byte.view(np.uint32)[..., 0]))
+        bits = (words >> np.uint32(4 + p)) & np.uint32(0x01010101)  # bit 4 + p of code 4w + i at bit 8i
+        plane = bits[..., 0].copy()
+        for w in range(1, 8):
+            plane |= bits[..., w] << np.uint32(w)
+        planes.append(_k_major(plane))
     return planes[0] if n_planes == 1 else np.ascontiguousarray(np.stack(planes, axis=2))
 
 
