@@ -129,24 +129,47 @@ def _x86(builder, name, ret, args):
     return builder.call(fn, args)
 
 
+PAIR_TIERS = ("avx512bw", "avx2")  # integer-dot tiers of vpmaddubsw (int16 pair sums) + vpmaddwd (to int32)
+
+
+def _sign_fix(builder, a, b):
+    """|a| and b * sign(a), byte-wise: the same products with an unsigned first operand (|a| <= 128)."""
+    bv = _vec(_I8, 4 * a.type.count)
+    zero = ir.Constant(bv, [0] * bv.count)
+    a8, b8 = builder.bitcast(a, bv), builder.bitcast(b, bv)
+    neg = builder.icmp_signed("<", a8, zero)
+    return (builder.bitcast(builder.select(neg, builder.sub(zero, a8), a8), a.type),
+            builder.bitcast(builder.select(neg, builder.sub(zero, b8), b8), b.type))  # fmt: skip
+
+
+def _pairs(builder, tier, a, b):
+    """vpmaddubsw: <2n x i16> sums of adjacent byte products a[2j] b[2j] + a[2j+1] b[2j+1], a unsigned, b signed
+    bytes (saturating only beyond 2^15 - 1: the callers bound a so that it never does)."""
+    n = a.type.count
+    bv = _vec(_I8, 4 * n)
+    ubs = "llvm.x86.avx512.pmaddubs.w.512" if tier == "avx512bw" else "llvm.x86.avx2.pmadd.ub.sw"
+    return _x86(builder, ubs, _vec(_I16, 2 * n), [builder.bitcast(a, bv), builder.bitcast(b, bv)])
+
+
+def _widen(builder, tier, pairs):
+    """vpmaddwd with ones: <n x i32> sums of adjacent int16 lanes, exact."""
+    wd = "llvm.x86.avx512.pmaddw.d.512" if tier == "avx512bw" else "llvm.x86.avx2.pmadd.wd"
+    ones = ir.Constant(pairs.type, [1] * pairs.type.count)
+    return _x86(builder, wd, _vec(_I32, pairs.type.count // 2), [pairs, ones])
+
+
 def _dot4(builder, tier, acc, a, b, signed):
     """acc + the sum of 4 byte products per i32 lane: acc[l] + sum_i a[4l+i] * b[4l+i], exact (int32), with a
     unsigned bytes (signed=False: codes 0..63) or signed bytes (signed=True: -128..127), b signed bytes in
     -127..127. acc, a, b: <n x i32>, n = 16 (8 for tier "avx2")."""
     n = acc.type.count
     bv = _vec(_I8, 4 * n)
-    if signed:  # |a| and b * sign(a): the same products with an unsigned first operand (|a| <= 128)
-        a8, b8 = builder.bitcast(a, bv), builder.bitcast(b, bv)
-        neg = builder.icmp_signed("<", a8, ir.Constant(bv, [0] * 4 * n))
-        a = builder.bitcast(builder.select(neg, builder.sub(ir.Constant(bv, [0] * 4 * n), a8), a8), acc.type)
-        b = builder.bitcast(builder.select(neg, builder.sub(ir.Constant(bv, [0] * 4 * n), b8), b8), acc.type)
+    if signed:
+        a, b = _sign_fix(builder, a, b)
     if tier == "vnni512":
         return _x86(builder, "llvm.x86.avx512.vpdpbusd.512", acc.type, [acc, a, b])
-    if tier in ("avx512bw", "avx2"):  # |pair sums| <= 2 * 128 * 127 < 2^15: vpmaddubsw never saturates
-        ubs = "llvm.x86.avx512.pmaddubs.w.512" if tier == "avx512bw" else "llvm.x86.avx2.pmadd.ub.sw"
-        wd = "llvm.x86.avx512.pmaddw.d.512" if tier == "avx512bw" else "llvm.x86.avx2.pmadd.wd"
-        pairs = _x86(builder, ubs, _vec(_I16, 2 * n), [builder.bitcast(a, bv), builder.bitcast(b, bv)])
-        return builder.add(acc, _x86(builder, wd, acc.type, [pairs, ir.Constant(_vec(_I16, 2 * n), [1] * 2 * n)]))
+    if tier in PAIR_TIERS:  # |pair sums| <= 2 * 128 * 127 < 2^15: vpmaddubsw never saturates
+        return builder.add(acc, _widen(builder, tier, _pairs(builder, tier, a, b)))
     # plain IR: products in 16 bits (|a b| <= 128 * 127), then pairs and quads of lanes added in 32 bits
     w16 = _vec(_I16, 4 * n)
     p = builder.mul(builder.zext(builder.bitcast(a, bv), w16), builder.sext(builder.bitcast(b, bv), w16))
@@ -268,8 +291,22 @@ def _make_qblock(nt):
                 return _splat(builder, builder.mul(covered, _I32(-128)), n)
 
             starts = [[start(t, h) for h in range(n_acc)] for t in range(nt)]
+            # vpmaddubsw tiers: the int16 pair sums of this many dots are added before one vpmaddwd widens them,
+            # exact while their total stays below 2^15: 2 * 127 * (largest code) per dot, codes up to 15
+            # (nibbles), 31 or 63 (one or two planes), 128 (signed codes, after the sign fix-up).
+            largest = 128 if signed else (15, 31, 63)[planes]
+            deferred = (2**15 - 1) // (2 * 127 * largest) if tier in PAIR_TIERS else 0
+
+            def flush(t, h):
+                total = pending[t][h][0]
+                for p in pending[t][h][1:]:
+                    total = builder.add(total, p)
+                acc[t][h] = builder.add(acc[t][h], _widen(builder, tier, total))
+                pending[t][h].clear()
+
             for r0 in range(0, ROWS, n):
                 acc = [list(a) for a in starts]
+                pending = [[[] for _ in range(n_acc)] for _ in range(nt)]
                 high = [vload(ptr(1, _I32), p * ROWS + r0, vi) for p in range(planes)]
                 for g in range(4 if nibbles else 8):
                     v = vload(q, g * ROWS + r0, vi)
@@ -284,7 +321,18 @@ def _make_qblock(nt):
                     for half, xg, codes in parts:
                         h = half if halves else 0
                         for t in range(nt):
-                            acc[t][h] = _dot4(builder, tier, acc[t][h], codes, xs[t][xg], signed and not biased)
+                            if not deferred:
+                                acc[t][h] = _dot4(builder, tier, acc[t][h], codes, xs[t][xg], signed and not biased)
+                                continue
+                            a, b = _sign_fix(builder, codes, xs[t][xg]) if signed else (codes, xs[t][xg])
+                            pend = pending[t][h]
+                            pend.append(_pairs(builder, tier, a, b))
+                            if len(pend) == deferred:
+                                flush(t, h)
+                for t in range(nt):
+                    for h in range(n_acc):
+                        if pending[t][h]:
+                            flush(t, h)
                 d = scale(4, 10, r0)
                 dh = scale(5, 10, r0) if halves else None
                 m = scale(6, 11, r0) if offset else None

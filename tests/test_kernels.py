@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 from fractions import Fraction
+from pathlib import Path
 
 import numba
 import numpy as np
@@ -392,7 +393,7 @@ def test_matmul_follows_documented_summation_order(qtype, T):
 
 # f16 scale bits the kernels widen in vector registers: zeros, subnormals, the smallest and largest normals, ordinary
 F16_EDGES = np.array([0x0000, 0x8000, 0x0001, 0x8001, 0x03FF, 0x83FF, 0x0400, 0x7BFF, 0xFBFF, 0x3C00, 0x2E66], np.uint16)
-_F16_MATMUL = """
+_MATMUL_CASE = """
 import sys
 import numpy as np
 from detinfer import jit
@@ -405,6 +406,16 @@ mat(f["x"], Activations.of(f["x"]), out)
 np.save(sys.argv[2], out)
 print(jit.int_dot_tier())
 """
+
+
+def _run_case_on(tmp_path: Path, cpu: str, jit_dir: Path) -> tuple[np.ndarray, str]:
+    """Run tmp_path/case.npz through _MATMUL_CASE in a fresh process compiled for numba CPU ``cpu``:
+    (output, the process's integer-dot tier)."""
+    env = {**os.environ, "NUMBA_CPU_NAME": cpu, "NUMBA_CPU_FEATURES": "", "NUMBA_CACHE_DIR": str(jit_dir)}
+    proc = subprocess.run([sys.executable, "-c", _MATMUL_CASE, str(tmp_path / "case.npz"), str(tmp_path / "out.npy")],
+                          capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return np.load(tmp_path / "out.npy"), proc.stdout.strip()
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
@@ -423,14 +434,41 @@ def test_matmul_widens_every_f16_scale_exactly(tmp_path, qtype):
     want = emulate_matmul_f32(qtype, raw, n_in, x)
     assert_bytes_equal(run_matmul(QMatrix.from_raw("w", qtype, raw, n_in), x), want, f"{qtype.name} host tier")
     np.savez(tmp_path / "case.npz", qtype=int(qtype), raw=raw, x=x)
-    env = {**os.environ, "NUMBA_CPU_NAME": "generic", "NUMBA_CPU_FEATURES": "", "NUMBA_CACHE_DIR": str(tmp_path / "jit")}
-    proc = subprocess.run([sys.executable, "-c", _F16_MATMUL, str(tmp_path / "case.npz"), str(tmp_path / "out.npy")],
-                          capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
-    assert proc.returncode == 0 and proc.stdout.split() == ["generic"], proc.stderr[-2000:]
-    assert_bytes_equal(np.load(tmp_path / "out.npy"), want, f"{qtype.name} plain-IR tier")
+    got, tier = _run_case_on(tmp_path, "generic", tmp_path / "jit")
+    assert tier == "generic"
+    assert_bytes_equal(got, want, f"{qtype.name} plain-IR tier")
     bits = blocks["d"].view(np.uint16)
     blocks["d"][(bits & 0x7C00 == 0) & (bits & 0x3FF != 0)] = 0.0
     assert not np.array_equal(emulate_matmul_f32(qtype, raw, n_in, x).view(np.uint32), want.view(np.uint32))
+
+
+@pytest.fixture(scope="module")
+def pair_tier_jit(tmp_path_factory) -> Path:
+    """One JIT cache for the module's processes compiled for haswell (the vpmaddubsw tier)."""
+    return tmp_path_factory.mktemp("jit-haswell")
+
+
+@pytest.mark.parametrize("qtype", [t for t in MATRIX_TYPES if t in BLOCK_DTYPES], ids=lambda t: t.name)
+def test_matmul_exact_at_the_largest_codes(tmp_path, pair_tier_jit, qtype):
+    """Every code at its largest magnitude (15, 31 or 63; Q8_0's -128) against activation codes of 127: the
+    integer dots reach the bounds the kernels rely on (vpmaddubsw's int16 pair sums, added for several code
+    words before one vpmaddwd), and still give the documented order's bytes, on the host's tier and on the
+    vpmaddubsw tier (numba's haswell target, in a fresh process). Control: the data attain those bounds."""
+    n_out, n_in, T = R + 5, row_length(qtype, 256), 2
+    raw = random_matrix(qtype, n_out, n_in, np.random.default_rng(int(qtype) + 900))
+    blocks = raw.reshape(-1).view(BLOCK_DTYPES[qtype])
+    for field in {"qs", "ql", "qh"} & set(blocks.dtype.names):
+        blocks[field] = -128 if qtype == Q.Q8_0 else 0xFF
+    x = np.ones((T, n_in), np.float32)
+    codes, _, _ = block_fields(qtype, raw, n_in)  # c - z: all bits set, less the zero point
+    largest = {Q.Q8_0: 128, Q.Q4_0: 7, Q.Q5_0: 15, Q.Q6_K: 31}.get(qtype, 15 if qtype in (Q.Q4_1, Q.Q4_K) else 31)
+    assert np.all(quantize_ref(x)[0] == 127) and np.all(np.abs(codes) == largest)
+    want = emulate_matmul_f32(qtype, raw, n_in, x)
+    assert_bytes_equal(run_matmul(QMatrix.from_raw("w", qtype, raw, n_in), x), want, f"{qtype.name} host tier")
+    np.savez(tmp_path / "case.npz", qtype=int(qtype), raw=raw, x=x)
+    got, tier = _run_case_on(tmp_path, "haswell", pair_tier_jit)
+    assert tier == "avx2"
+    assert_bytes_equal(got, want, f"{qtype.name} vpmaddubsw tier")
 
 
 @pytest.mark.parametrize("qtype", MATRIX_TYPES, ids=lambda t: t.name)
