@@ -264,8 +264,11 @@ def _make_qblock(nt):
                 return ir.Constant(vi, [v] * n)
 
             def move(w, src, dst):  # w's bits src of each byte to bits dst (other bits masked off)
-                moved = builder.shl(w, const(dst - src)) if dst > src else builder.lshr(w, const(src - dst)) if src > dst else w
-                return builder.and_(moved, const(0x01010101 << dst))
+                if dst > src:
+                    w = builder.shl(w, const(dst - src))
+                elif src > dst:
+                    w = builder.lshr(w, const(src - dst))
+                return builder.and_(w, const(0x01010101 << dst))
 
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{n}f32")
             q, at = ptr(0, _I32), ptr(3, ir.FloatType())
@@ -413,13 +416,13 @@ def matmul_q(qs, qh, d, d_hi, m, z, d_super, m_super, xq, dx, sx, out):
     weights.QMatrix gives each type's c, z, d, m), repacked for the integer dots (see :func:`_make_qblock`) as
     qs [G, nb, ...]: uint32 packed nibbles (the low 4 bits of 4-, 5- and 6-bit codes) or int8 (Q8_0's signed
     codes); qh: the 5- and 6-bit codes' higher bits, uint32 [G, nb, ROWS] or [G, nb, 2, ROWS] (planes of
-    :func:`_make_qblock`; None for the other types); d [G, nb, ROWS] (for Q6_K the scale of elements 0-15 and d_hi that of 16-31, else d_hi None);
-    m [G, nb, ROWS] or None; z: int zero point (0 with m). The scales keep the file's precision, so there are
-    fewer bytes to stream, and are widened to float32 exactly in the kernel: the 32-element block types' f16 d
-    and m as float16 bits (uint16); the k-quants' (Q4_K, Q5_K, Q6_K) integer sub-block scales as integers (uint8
-    sc, m; int8 for Q6_K) beside their 256-element super-block's float32 factor, d_super [G, nb // 8, ROWS] for
-    d and d_hi, m_super for m (else None): the block's d = d_super[g, b // 8] * float(d[g, b]), exact (an f16
-    times an 8-bit integer).
+    :func:`_make_qblock`; None for the other types); d [G, nb, ROWS] (for Q6_K the scale of elements 0-15 and
+    d_hi that of 16-31, else d_hi None); m [G, nb, ROWS] or None; z: int zero point (0 with m). The scales keep
+    the file's precision, so there are fewer bytes to stream, and are widened to float32 exactly in the kernel:
+    the 32-element block types' f16 d and m as float16 bits (uint16); the k-quants' (Q4_K, Q5_K, Q6_K) integer
+    sub-block scales as integers (uint8 sc, m; int8 for Q6_K) beside their 256-element super-block's float32
+    factor, d_super [G, nb // 8, ROWS] for d and d_hi, m_super for m (else None): the block's
+    d = d_super[g, b // 8] * float(d[g, b]), exact (an f16 times an 8-bit integer).
     Order per output (float32, fma = one rounding, ``llvm.fma``): per block b, the exact integers
     lo = sum_{e<16} c_e xq_e and hi = sum_{e>=16} c_e xq_e (in any order: they are exact), s0, s1 = sx[t, 2b],
     sx[t, 2b + 1], then
