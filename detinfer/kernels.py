@@ -161,15 +161,14 @@ def _widen(builder, tier, pairs):
 def _dot4(builder, tier, acc, a, b, signed):
     """acc + the sum of 4 byte products per i32 lane: acc[l] + sum_i a[4l+i] * b[4l+i], exact (int32), with a
     unsigned bytes (signed=False: codes 0..63) or signed bytes (signed=True: -128..127), b signed bytes in
-    -127..127. acc, a, b: <n x i32>, n = 16 (8 for tier "avx2")."""
+    -127..127, on the tiers without int16 pair sums ("vnni512" and plain IR; the PAIR_TIERS defer their
+    vpmaddwd in :func:`_make_qblock`). acc, a, b: <n x i32>, n = 16."""
     n = acc.type.count
     bv = _vec(_I8, 4 * n)
     if signed:
         a, b = _sign_fix(builder, a, b)
     if tier == "vnni512":
         return _x86(builder, "llvm.x86.avx512.vpdpbusd.512", acc.type, [acc, a, b])
-    if tier in PAIR_TIERS:  # |pair sums| <= 2 * 128 * 127 < 2^15: vpmaddubsw never saturates
-        return builder.add(acc, _widen(builder, tier, _pairs(builder, tier, a, b)))
     # plain IR: products in 16 bits (|a b| <= 128 * 127), then pairs and quads of lanes added in 32 bits
     w16 = _vec(_I16, 4 * n)
     p = builder.mul(builder.zext(builder.bitcast(a, bv), w16), builder.sext(builder.bitcast(b, bv), w16))

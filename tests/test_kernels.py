@@ -461,7 +461,7 @@ def test_matmul_exact_at_the_largest_codes(tmp_path, pair_tier_jit, qtype):
         blocks[field] = -128 if qtype == Q.Q8_0 else 0xFF
     x = np.ones((T, n_in), np.float32)
     codes, _, _ = block_fields(qtype, raw, n_in)  # c - z: all bits set, less the zero point
-    largest = {Q.Q8_0: 128, Q.Q4_0: 7, Q.Q5_0: 15, Q.Q6_K: 31}.get(qtype, 15 if qtype in (Q.Q4_1, Q.Q4_K) else 31)
+    largest = {Q.Q4_0: 7, Q.Q4_1: 15, Q.Q4_K: 15, Q.Q5_0: 15, Q.Q5_1: 31, Q.Q5_K: 31, Q.Q6_K: 31, Q.Q8_0: 128}[qtype]
     assert np.all(quantize_ref(x)[0] == 127) and np.all(np.abs(codes) == largest)
     want = emulate_matmul_f32(qtype, raw, n_in, x)
     assert_bytes_equal(run_matmul(QMatrix.from_raw("w", qtype, raw, n_in), x), want, f"{qtype.name} host tier")
