@@ -28,7 +28,8 @@ from cli_helpers import cli
 from fastapi.testclient import TestClient
 from gguf_factory import CHATML, write_tiny_gguf
 
-from detinfer.chat import MAX_RENDER_BYTES, MAX_RENDER_CHARS, MAX_RENDER_CPU_S, ChatTemplate
+from detinfer import chat
+from detinfer.chat import MAX_RENDER_BYTES, MAX_RENDER_CHARS, ChatTemplate
 from detinfer.engine import Engine
 from detinfer.errors import ManifestError, TemplateError
 from detinfer.gguf_file import ModelFile
@@ -95,11 +96,13 @@ MANY_BIG_VALUES = "{% set s = 'x' * 8000000 %}{% for i in range(100) %}{% set t 
     ],
     ids=["loops-over-a-string", "loops-over-3000-messages", "concat-doublings", "many-big-values"],
 )
-def test_template_stops_within_cpu_and_memory_budget(source: str, messages: list, needle: str):
+def test_template_stops_within_cpu_and_memory_budget(source: str, messages: list, needle: str, monkeypatch):
+    if needle == "steps":  # the step limit on its own: 10^6 steps take over 1 s of CPU on a slow machine
+        monkeypatch.setattr(chat, "MAX_RENDER_CPU_S", 60.0)
     t0 = time.thread_time()
     with pytest.raises(TemplateError) as e:
         ChatTemplate(source).render(messages)
-    assert time.thread_time() - t0 < MAX_RENDER_CPU_S + 0.5
+    assert time.thread_time() - t0 < chat.MAX_RENDER_CPU_S + 0.5
     assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
     if "steps" not in needle:  # the memory cases, again under tracemalloc (which makes loops too slow to time)
         tracemalloc.start()
@@ -110,6 +113,17 @@ def test_template_stops_within_cpu_and_memory_budget(source: str, messages: list
         finally:
             tracemalloc.stop()
         assert peak < 2 * MAX_RENDER_BYTES, peak
+
+
+def test_template_cpu_budget_stops_a_render_on_its_own(monkeypatch):
+    """The CPU-time limit with the step limit out of reach: the render stops at it, with a one-line error."""
+    monkeypatch.setattr(chat, "MAX_RENDER_STEPS", 10**12)
+    monkeypatch.setattr(chat, "MAX_RENDER_CPU_S", 0.2)
+    t0 = time.thread_time()
+    with pytest.raises(TemplateError) as e:  # 60^3 loop steps: seconds of CPU without the limit, on any machine
+        ChatTemplate(NESTED_MESSAGE_LOOPS).render([{"role": "user", "content": "x"}] * 60)
+    assert time.thread_time() - t0 < chat.MAX_RENDER_CPU_S + 0.5
+    assert "0.2 s of CPU time" in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
 def test_template_budget_leaves_long_real_conversations_alone():
@@ -134,7 +148,7 @@ def test_run_with_a_looping_chat_template_file_exits_2(home: Path, tiny_chat: Pa
     loop.write_text(NESTED_STRING_LOOPS)
     r = cli(home, "run", "--model", tiny_chat, "--chat", "--chat-template", loop, "--prompt", "hi", "--ctx", "64",
             "--out", tmp_path / "run.json")  # fmt: skip
-    one_error_line(r, "chat template stopped", "steps")
+    one_error_line(r, "chat template stopped")  # by whichever budget this machine reaches first
     assert not (tmp_path / "run.json").exists()
 
 
