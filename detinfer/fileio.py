@@ -99,12 +99,16 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
-    """Hex sha256 of a file's bytes, read in 4 MiB chunks."""
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 25) -> str:
+    """Hex sha256 of a file's bytes, read into one 32 MiB buffer. Reads and hashing release the GIL; few large
+    chunks mean few waits for it when the hash runs beside a thread that holds it (ModelFile hashes in the
+    background while the tokenizer is built)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
     return h.hexdigest()
 
 

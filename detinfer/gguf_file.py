@@ -3,14 +3,19 @@
 The file is parsed with the ``gguf`` package's reader (GGUF spec:
 https://github.com/ggml-org/ggml/blob/master/docs/gguf.md). Parsing a 49k-token vocabulary with the
 reader takes over a second, so the parsed result (metadata and tensor table, never weights) is kept in a
-content-addressed index under ``$DETINFER_HOME/index/<sha256>.json``: the same bytes always give the
-same index, so it can never be stale. Weights stay quantized in the memory map.
+content-addressed index under ``$DETINFER_HOME/index/header-<key>.json``, the key a sha256 of the file's size
+and its first HEADER_KEY_BYTES bytes. An index is only kept for a file whose header (everything before the
+tensor data) lies inside those bytes, so the same key always means the same index and it can never be stale.
+Weights stay quantized in the memory map. The sha256 of the whole file, which run manifests record, is
+computed by a background thread meanwhile (:attr:`ModelFile.sha256` waits for it).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import threading
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -24,7 +29,8 @@ from .errors import GGUFError
 from .fileio import atomic_write_text, load_json, sha256_file
 from .paths import detinfer_home
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2
+HEADER_KEY_BYTES = 16 << 20  # Gemma 3's 262k-token header is ~6 MB
 
 # Tensor types the kernels implement; anything else is rejected at load, naming the tensor.
 SUPPORTED_TYPES = frozenset(
@@ -139,7 +145,7 @@ def _parse(path: Path) -> dict[str, Any]:
         except ValueError:
             raise GGUFError(f"{path.name}: tensor {t.name!r} has unknown type id {int(t.tensor_type)}") from None
         tensors.append([t.name, int(ggml_type), [int(x) for x in t.shape], int(t.data_offset)])
-    return {"index_version": INDEX_VERSION, "metadata": metadata, "tensors": tensors}
+    return {"index_version": INDEX_VERSION, "header_bytes": int(reader.data_offset), "metadata": metadata, "tensors": tensors}
 
 
 MAX_INDEX_BYTES = 1 << 30  # a cached index holds the whole vocabulary and merges
@@ -150,6 +156,7 @@ class _Index(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     index_version: Literal[INDEX_VERSION]  # type: ignore[valid-type]
+    header_bytes: int
     metadata: dict[str, Any]
     tensors: list[tuple[str, int, list[int], int]]
 
@@ -175,23 +182,64 @@ class ModelFile:
             raise GGUFError(f"model file not found: {self.path}; run `detinfer pull` or pass a path to a .gguf file")
         self.size = self.path.stat().st_size
         check_magic(self.path)
-        self.sha256 = sha256_file(self.path)
+        self._sha256: list[str] = []
+        self._hashing = threading.Thread(target=self._hash, daemon=True, name="gguf-sha256")
+        self._hashing.start()
         index = self._load_index() if use_index else None
         if index is not None:
             try:
+                if not 0 < index["header_bytes"] <= min(HEADER_KEY_BYTES, self.size):
+                    raise GGUFError("the index describes bytes its key does not cover")
                 self._validate_index(index)
             except (GGUFError, ValueError):  # a corrupt or forged cache file: rebuilt from the model file below
                 index = None
         if index is None:
             index = _parse(self.path)
             self._validate_index(index)
-            if use_index:
+            if use_index and index["header_bytes"] <= HEADER_KEY_BYTES:  # else the key does not cover it
                 atomic_write_text(self._index_path(), json.dumps(index))
+        # whether caches keyed by header_key may hold values derived from this file (not for fuzzed inputs)
+        self.indexed = use_index and index["header_bytes"] <= HEADER_KEY_BYTES
         self.metadata: dict[str, Any] = index["metadata"]
         self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
 
+    def _hash(self) -> None:
+        try:
+            self._sha256.append(sha256_file(self.path))
+        except OSError:
+            pass  # reported by sha256 below, in the caller's thread
+
+    @property
+    def sha256(self) -> str:
+        """Hex sha256 of the whole file (waits for the background hash started when the file was opened).
+
+        Raises GGUFError if the file can no longer be read."""
+        self._hashing.join()
+        if not self._sha256:  # the read failed, or this is a forked child, in which the thread never ran
+            try:
+                self._sha256.append(sha256_file(self.path))
+            except OSError as e:
+                raise GGUFError(f"{self.path.name}: cannot read the file to hash it ({e.strerror or e})") from None
+        return self._sha256[0]
+
+    @cached_property
+    def header_key(self) -> str:
+        """Hex sha256 of the file's size and first HEADER_KEY_BYTES bytes: the key of its cached index."""
+        h = hashlib.sha256(b"%d:" % self.size)
+        with open(self.path, "rb") as f:
+            h.update(f.read(HEADER_KEY_BYTES))
+        return h.hexdigest()
+
     def _index_path(self) -> Path:
-        return detinfer_home() / "index" / f"{self.sha256}.json"
+        return self._header_path("json")
+
+    def _header_path(self, suffix: str) -> Path:
+        return detinfer_home() / "index" / f"header-{self.header_key}.{suffix}"
+
+    def derived_cache_path(self, name: str) -> Path | None:
+        """Where to cache a value computed from this file's metadata only (``index/header-<key>.<name>``), or
+        None if the file is not indexed (opened with ``use_index=False``, or a header past HEADER_KEY_BYTES)."""
+        return self._header_path(name) if self.indexed else None
 
     def _load_index(self) -> dict[str, Any] | None:
         """The cached index if it is a valid one (bounded JSON, the _Index schema), else None (rebuild it)."""

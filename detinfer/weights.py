@@ -8,13 +8,17 @@ module loads whatever of them the architecture lists, into one :class:`Layer` sh
 
 from __future__ import annotations
 
+import hashlib
+import threading
 from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from . import kernels
+from . import kernels, quants, weights_cache
 from .arch import ARCHITECTURES, tensor_shapes
 from .config import ModelConfig
 from .errors import GGUFError
@@ -198,11 +202,14 @@ def validate_tensors(mf: ModelFile, shapes: dict[str, tuple[int, ...]]) -> None:
             raise GGUFError(f"{mf.path.name}: vector tensor {name!r} has type {info.type_name}, expected F32")
 
 
-def _matrix(mf: ModelFile, *names: str) -> QMatrix:
-    """One QMatrix of the rows of ``names`` (tensors of one type) stacked in order.
+def _matrix(mf: ModelFile, *names: str, mapped: dict[str, QMatrix] | None = None) -> QMatrix:
+    """One QMatrix of the rows of ``names`` (tensors of one type) stacked in order: ``mapped``'s, if it has it
+    (a store of :mod:`detinfer.weights_cache`), else repacked from the file.
 
     Fusing changes no result: every output row keeps its own summation order.
     """
+    if mapped is not None and "+".join(names) in mapped:
+        return mapped["+".join(names)]
     infos = [mf.tensor(n) for n in names]
     if len({i.ggml_type for i in infos}) > 1:
         raise GGUFError(f"{mf.path.name}: tensors {', '.join(names)} must share one type to be fused")
@@ -236,14 +243,14 @@ class Projection:
     _buffers: dict = field(default_factory=dict, compare=False, repr=False)  # (T, i) -> float32 [T, n_out_i]
 
     @classmethod
-    def load(cls, mf: ModelFile, *names: str) -> "Projection":
+    def load(cls, mf: ModelFile, *names: str, mapped: dict[str, QMatrix] | None = None) -> "Projection":
         runs: list[list[str]] = []
         for n in names:
             if runs and mf.tensor(runs[-1][-1]).ggml_type == mf.tensor(n).ggml_type:
                 runs[-1].append(n)
             else:
                 runs.append([n])
-        return cls(tuple(_matrix(mf, *run) for run in runs))
+        return cls(tuple(_matrix(mf, *run, mapped=mapped) for run in runs))
 
     @property
     def n_in(self) -> int:
@@ -304,43 +311,82 @@ class Weights:
     output: QMatrix
 
     @classmethod
-    def load(cls, mf: ModelFile, cfg: ModelConfig) -> "Weights":
-        """Validate the tensors ``cfg``'s architecture expects, then repack them.
+    def load(cls, mf: ModelFile, cfg: ModelConfig, store: weights_cache.Mapped | None = None) -> "Weights":
+        """Validate the tensors ``cfg``'s architecture expects, then take the matrices from ``store`` (a
+        :func:`detinfer.weights_cache.open_store` of this file's header, used only once its checks pass) or
+        repack them. A repack of an indexed file (:attr:`ModelFile.indexed`) is saved as its store for the next
+        load, by a thread that the process waits for at exit.
 
         Raises GGUFError naming the first tensor that is missing, misshapen or of an unsupported type.
         """
         validate_tensors(mf, tensor_shapes(cfg))
         arch = ARCHITECTURES[cfg.arch]
+        records = store.records(mf.sha256) if store is not None else None
+        mapped = None if records is None else {k: _from_record(k, r) for k, r in records.items()}
 
         def vec(name: str) -> np.ndarray:
             return np.ascontiguousarray(mf.read_tensor(name).view(np.float32).reshape(-1))
+
+        def proj(*names: str) -> Projection:
+            return Projection.load(mf, *names, mapped=mapped)
 
         def layer(i: int) -> Layer:
             p = f"blk.{i}."
             return Layer(
                 attn_norm=vec(p + "attn_norm.weight"),
-                attn_qkv=Projection.load(mf, p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"),
+                attn_qkv=proj(p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"),
                 attn_qkv_bias=np.concatenate([vec(p + f"attn_{n}.bias") for n in "qkv"]) if arch.qkv_bias else None,
                 attn_q_norm=vec(p + "attn_q_norm.weight") if arch.qk_norm else None,
                 attn_k_norm=vec(p + "attn_k_norm.weight") if arch.qk_norm else None,
-                attn_output=Projection.load(mf, p + "attn_output.weight"),
+                attn_output=proj(p + "attn_output.weight"),
                 post_attention_norm=vec(p + "post_attention_norm.weight") if arch.post_norms else None,
                 ffn_norm=vec(p + "ffn_norm.weight"),
-                ffn_gate_up=Projection.load(mf, p + "ffn_gate.weight", p + "ffn_up.weight"),
-                ffn_down=Projection.load(mf, p + "ffn_down.weight"),
+                ffn_gate_up=proj(p + "ffn_gate.weight", p + "ffn_up.weight"),
+                ffn_down=proj(p + "ffn_down.weight"),
                 post_ffw_norm=vec(p + "post_ffw_norm.weight") if arch.post_norms else None,
             )
 
-        return cls(
+        weights = cls(
             token_embd=mf.tensor_data("token_embd.weight"),
             token_embd_type=mf.tensor("token_embd.weight").ggml_type,
             layers=tuple(layer(i) for i in range(cfg.n_layer)),
             output_norm=vec("output_norm.weight"),
-            output=_matrix(mf, "token_embd.weight" if cfg.tied_embeddings else "output.weight"),
+            output=_matrix(mf, "token_embd.weight" if cfg.tied_embeddings else "output.weight", mapped=mapped),
         )
+        if mf.indexed and (mapped is None or any(m.name not in mapped for m in weights.matrices)):
+            records = {m.name: _record(m) for m in weights.matrices}
+            # in the background (the arrays are only read); not a daemon, so the process waits for it at exit
+            args = (mf.header_key, mf.sha256, layout_key(), records)
+            threading.Thread(target=weights_cache.save_store, args=args, name="weights-cache-save").start()
+        return weights
+
+    @property
+    def matrices(self) -> list[QMatrix]:
+        """Every repacked matrix, layer by layer, then the output."""
+        projs = [p for layer in self.layers for p in (layer.attn_qkv, layer.attn_output, layer.ffn_gate_up, layer.ffn_down)]
+        return [m for p in projs for m in p.mats] + [self.output]
 
     @property
     def nbytes(self) -> int:
         """Bytes held by repacked matrices (the memory-mapped embedding rows are not counted)."""
-        projs = [p for layer in self.layers for p in (layer.attn_qkv, layer.attn_output, layer.ffn_gate_up, layer.ffn_down)]
-        return self.output.nbytes + sum(p.nbytes for p in projs)
+        return sum(m.nbytes for m in self.matrices)
+
+
+def _record(m: QMatrix) -> weights_cache.Record:
+    return {"ggml_type": int(m.ggml_type), "n_out": m.n_out, "n_in": m.n_in, "kind": m.kind}, m.arrays
+
+
+def _from_record(name: str, r: weights_cache.Record) -> QMatrix:
+    f, arrays = r
+    return QMatrix(name, GGMLQuantizationType(f["ggml_type"]), f["n_out"], f["n_in"], f["kind"], arrays)
+
+
+@cache
+def layout_key() -> str:
+    """16 hex digits of the sha256 of the code that defines the repacked layout (this module, quants.py and
+    weights_cache.py) and of kernels.ROWS and QK: a store of :mod:`detinfer.weights_cache` written by code that
+    repacks differently has another key, so it is never loaded."""
+    h = hashlib.sha256(f"ROWS={R} QK={kernels.QK}".encode())
+    for module in (__file__, quants.__file__, weights_cache.__file__):
+        h.update(Path(module).read_bytes())
+    return h.hexdigest()[:16]

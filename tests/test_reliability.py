@@ -32,7 +32,7 @@ from detinfer import chat
 from detinfer.chat import MAX_RENDER_BYTES, MAX_RENDER_CHARS, ChatTemplate
 from detinfer.engine import Engine
 from detinfer.errors import ManifestError, TemplateError
-from detinfer.gguf_file import ModelFile
+from detinfer.gguf_file import HEADER_KEY_BYTES, INDEX_VERSION, ModelFile
 from detinfer.kvfile import load_kv, save_kv
 from detinfer.manifest import RunManifest, tokens_sha256, write_manifest
 from detinfer.server import ServerSettings, create_app
@@ -232,16 +232,33 @@ def test_deep_or_huge_http_bodies_are_400_in_openai_shape(tiny_engine: Engine):
             assert r.json()["error"]["code"] == "invalid_json" and "\n" not in r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("content", ['{"index_version": 1}', "[" * 100_000, '{"index_version": 1, "metadata": {}, "tensors": [["x", 999, [1], 0]]}'],
-                         ids=["no-tensors", "deep", "bad-type"])
+@pytest.mark.parametrize("content", [f'{{"index_version": {INDEX_VERSION}}}', "[" * 100_000,
+                                     f'{{"index_version": {INDEX_VERSION}, "header_bytes": 8, "metadata": {{}}, "tensors": [["x", 999, [1], 0]]}}'],
+                         ids=["no-tensors", "deep", "bad-type"])  # fmt: skip
 def test_corrupt_index_cache_is_rebuilt(tmp_path: Path, monkeypatch, tiny_chat: Path, content: str):
     monkeypatch.setenv("DETINFER_HOME", str(tmp_path))
     good = ModelFile(tiny_chat)
-    index = tmp_path / "index" / f"{good.sha256}.json"
+    index = tmp_path / "index" / f"header-{good.header_key}.json"
     index.write_text(content)
     again = ModelFile(tiny_chat)
     assert again.metadata == good.metadata and again.tensors.keys() == good.tensors.keys()
     assert json.loads(index.read_text())["tensors"], "the cache file was rewritten"
+
+
+@pytest.mark.parametrize("header_bytes", ["past the hashed prefix", "inside it (control)"])
+def test_index_cache_is_used_only_for_a_header_its_key_covers(tmp_path: Path, monkeypatch, tiny_chat: Path, header_bytes: str):
+    """The index is found by a hash of the file's first HEADER_KEY_BYTES bytes: one that claims a longer header
+    (what a file with a bigger header would need) is not trusted. The control shows the edited index is read."""
+    monkeypatch.setenv("DETINFER_HOME", str(tmp_path))
+    good = ModelFile(tiny_chat)
+    index = tmp_path / "index" / f"header-{good.header_key}.json"
+    edited = json.loads(index.read_text())
+    edited["metadata"]["general.name"] = "edited"
+    if header_bytes == "past the hashed prefix":
+        edited["header_bytes"] = HEADER_KEY_BYTES + 1
+    index.write_text(json.dumps(edited))
+    name = ModelFile(tiny_chat).metadata.get("general.name")
+    assert (name == "edited") == (header_bytes == "inside it (control)")
 
 
 # ------------------------------------------------------------------------------------------ 3. records validated
