@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -851,7 +851,41 @@ def _bare_ray(args: list[str]) -> list[str]:
 
 
 def main() -> None:
-    app(args=_bare_ray(sys.argv[1:]))
+    """The ``detinfer`` command; it ends with :func:`_quick_exit`."""
+    try:
+        app(args=_bare_ray(sys.argv[1:]))
+    except SystemExit as e:
+        _quick_exit(e.code)
+    _quick_exit(0)
+
+
+def _quick_exit(code: int | str | None) -> NoReturn:
+    """End the process without tearing the interpreter down: freeing every object of numba, LLVM and a loaded model
+    takes ~0.2 s after the command is done (a fifth of a warm start), and nothing needs it. What a normal exit
+    must do still happens first: non-daemon threads (a repacked-weights save) are joined, atexit handlers run (Ray
+    shutdown, temporary folders), stdout and stderr are flushed; every file detinfer writes is closed and fsynced
+    by then. mypy ends the same way (``mypy.util.hard_exit``). A ``code`` that is a message is printed, exit 1;
+    an unwritable stdout (a closed pipe) exits 120, as Python's own exit does."""
+    import atexit
+    import os
+    import threading
+
+    if isinstance(code, str):
+        sys.stderr.write(code + "\n")
+        code = 1
+    for t in threading.enumerate():
+        if t is not threading.main_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        code = code or 120
+    try:
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    os._exit(code or 0)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,3 +79,25 @@ def test_info_ctx_out_of_range(recorded, model_path):
 
 def test_chunk_size_zero_before_loading(recorded):
     _one_line_error(cli(recorded[0], "run", "--model", Path("/nonexistent.gguf"), "--prompt", "x", "--chunk-size", "0"), "--chunk-size")
+
+
+QUICK_EXIT = """
+import atexit, pathlib, sys, threading, time
+from detinfer.cli import _quick_exit
+out = pathlib.Path(sys.argv[1])
+threading.Thread(target=lambda: (time.sleep(0.5), (out / "thread").write_text("done"))).start()
+atexit.register(lambda: (out / "atexit").write_text("done"))
+print("buffered stdout", end="")
+_quick_exit(eval(sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize(("code", "status"), [("None", 0), ("2", 2), ("'a message'", 1)])
+def test_quick_exit_does_what_a_normal_exit_must(tmp_path: Path, code: str, status: int):
+    """The command skips the interpreter's teardown, not the rest: a running non-daemon thread (a repacked-weights
+    save) finishes, atexit handlers run, buffered stdout is written, the exit status is kept."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout into a pipe is then buffered
+    r = subprocess.run([sys.executable, "-c", QUICK_EXIT, str(tmp_path), code], capture_output=True, text=True, timeout=60, env=env)
+    assert (r.returncode, r.stdout) == (status, "buffered stdout")
+    assert (tmp_path / "thread").read_text() == (tmp_path / "atexit").read_text() == "done"
+    assert r.stderr == ("a message\n" if status == 1 else "")
