@@ -15,7 +15,7 @@ a repack, and numba reuses the same compiled code. It hashes the ``.bin`` in a b
 releases the GIL, so the check overlaps the tokenizer build), and nothing mapped is used unless that hash and the
 GGUF's sha256 both match the descriptor: otherwise the store is deleted and the model repacked (two GGUFs with
 one header, such as fine-tunes that differ only in weights, take turns in one store). A folder that cannot be
-written is not an error; every load then repacks.
+written is not an error; every load then repacks. ``DETINFER_WEIGHTS_CACHE=off`` turns the store off.
 """
 
 from __future__ import annotations
@@ -43,9 +43,15 @@ STORE_VERSION = 1
 Record = tuple[dict, tuple]
 
 
-def store_dir() -> Path:
-    """``$DETINFER_WEIGHTS_CACHE``, else ``$DETINFER_HOME/weights``."""
-    return Path(os.environ.get("DETINFER_WEIGHTS_CACHE") or detinfer_home() / "weights")
+OFF = "off"  # $DETINFER_WEIGHTS_CACHE=off: every load repacks, nothing is written (the store costs the model's size)
+
+
+def store_dir() -> Path | None:
+    """``$DETINFER_WEIGHTS_CACHE``, else ``$DETINFER_HOME/weights``; None when the variable is ``off``."""
+    folder = os.environ.get("DETINFER_WEIGHTS_CACHE")
+    if folder == OFF:
+        return None
+    return Path(folder or detinfer_home() / "weights")
 
 
 class _Array(BaseModel):
@@ -71,8 +77,11 @@ class _Descriptor(BaseModel):
     matrices: dict[str, _Matrix]
 
 
-def _paths(header_key: str, layout: str) -> tuple[Path, Path]:
-    base = store_dir() / f"{header_key}-{layout}"
+def _paths(header_key: str, layout: str) -> tuple[Path, Path] | None:
+    folder = store_dir()
+    if folder is None:
+        return None
+    base = folder / f"{header_key}-{layout}"
     return base.with_suffix(".bin"), base.with_suffix(".json")
 
 
@@ -103,8 +112,11 @@ class Mapped:
 
 
 def open_store(header_key: str, layout: str) -> Mapped | None:
-    """Map the store of a GGUF header and a layout and start its check; None if there is none or it is malformed."""
-    data_path, json_path = _paths(header_key, layout)
+    """Map the store of a GGUF header and a layout and start its check; None if there is none, it is malformed or
+    the store is off."""
+    if (paths := _paths(header_key, layout)) is None:
+        return None
+    data_path, json_path = paths
     try:
         d = _Descriptor.model_validate(load_json(json_path, GGUFError, "weights cache descriptor"))
         if d.layout != layout or data_path.stat().st_size != d.data_bytes:
@@ -137,7 +149,9 @@ def save_store(header_key: str, gguf_sha256: str, layout: str, records: dict[str
     if sum(a.nbytes for a in arrays) < MIN_BYTES or not all(a.flags.c_contiguous and a.dtype.name in DTYPES
                                                             for a in arrays):  # fmt: skip
         return
-    data_path, json_path = _paths(header_key, layout)
+    if (paths := _paths(header_key, layout)) is None:
+        return
+    data_path, json_path = paths
     h, offset, matrices = hashlib.sha256(), 0, {}
     try:
         with atomic_writer(data_path) as f:
@@ -158,7 +172,7 @@ def save_store(header_key: str, gguf_sha256: str, layout: str, records: dict[str
         d = _Descriptor(version=STORE_VERSION, gguf_sha256=gguf_sha256, layout=layout, data_bytes=offset,
                         data_sha256=h.hexdigest(), matrices=matrices)  # fmt: skip
         atomic_write_text(json_path, d.model_dump_json())
-        for old in store_dir().glob(f"{header_key}-*"):
+        for old in data_path.parent.glob(f"{header_key}-*"):
             if old.stem != data_path.stem:
                 old.unlink(missing_ok=True)
     except (DetinferError, OSError):

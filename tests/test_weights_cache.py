@@ -132,6 +132,21 @@ def test_unwritable_store_folder_is_not_an_error(monkeypatch, tmp_path: Path, mo
     assert blocker.read_text() == "not a folder"
 
 
+def test_store_off_writes_and_maps_nothing(monkeypatch, tmp_path: Path, model_path: Path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DETINFER_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("DETINFER_WEIGHTS_CACHE", "off")
+    mf = ModelFile(model_path)
+    loaded = _load(mf)
+    _saved()
+    assert any(a.flags.owndata for a in _arrays(loaded)), "repacked"
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file() and "index" not in p.parts) == []
+    monkeypatch.setenv("DETINFER_WEIGHTS_CACHE", str(tmp_path / "weights"))  # control: the same load, store on
+    _load(mf)
+    _saved()
+    assert len(list((tmp_path / "weights").glob("*.bin"))) == 1
+
+
 def test_small_models_are_not_stored(monkeypatch, tmp_path: Path):
     monkeypatch.setenv("DETINFER_WEIGHTS_CACHE", str(tmp_path / "weights"))
     _load(ModelFile(write_tiny_gguf(tmp_path / "tiny.gguf")))
