@@ -38,12 +38,10 @@ ALIGN = 64  # byte alignment of every array in a .bin (numba types an array alig
 MIN_BYTES = 16 << 20  # smaller models repack in well under 0.1 s: not worth a file
 DTYPES = ("uint8", "int8", "uint16", "int32", "uint32", "float32")
 STORE_VERSION = 1
+OFF = "off"  # $DETINFER_WEIGHTS_CACHE=off: every load repacks, nothing is written (the store costs the model's size)
 
 # A matrix: (fields, arrays), fields JSON scalars, arrays a tuple of C-contiguous ndarrays, None or ints.
 Record = tuple[dict, tuple]
-
-
-OFF = "off"  # $DETINFER_WEIGHTS_CACHE=off: every load repacks, nothing is written (the store costs the model's size)
 
 
 def store_dir() -> Path | None:
@@ -143,8 +141,9 @@ def open_store(header_key: str, layout: str) -> Mapped | None:
 
 def save_store(header_key: str, gguf_sha256: str, layout: str, records: dict[str, Record]) -> None:
     """Write the store of a GGUF (its header key and sha256) and a layout: the ``.bin``, then its descriptor,
-    each atomically; then delete the stores of other layouts for the same header. Nothing is written for under MIN_BYTES of arrays or an array that is
-    not C-contiguous; a folder that cannot be written is ignored."""
+    each atomically; then delete the stores of other layouts for the same header (one store per model). Nothing
+    is written for under MIN_BYTES of arrays or an array that is not C-contiguous; a folder that cannot be
+    written is ignored."""
     arrays = [a for _, arrs in records.values() for a in arrs if isinstance(a, np.ndarray)]
     if sum(a.nbytes for a in arrays) < MIN_BYTES or not all(a.flags.c_contiguous and a.dtype.name in DTYPES
                                                             for a in arrays):  # fmt: skip
