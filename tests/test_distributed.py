@@ -189,8 +189,11 @@ def test_replay_with_ray_matches_replay_without(cluster, tmp_path):
 def test_ctrl_c_keeps_written_results_and_resume_finishes_the_batch(cluster, reference, tmp_path):
     from detinfer.manifest import load_manifest
 
-    longer = [{"id": f"long-{i}", "prompt": f"Tell a story about the number {i}.", "sampling": {"max_tokens": 24}} for i in range(8)]
-    batch_file = tmp_path / "prompts.jsonl"  # long items first, so the run is still busy when it is interrupted
+    # long items first (96 tokens each: without ignore_eos the model ends them after one), so the run is still busy
+    # when it is interrupted, however fast the workers start
+    longer = [{"id": f"long-{i}", "prompt": f"Tell a story about the number {i}.", "sampling": {"max_tokens": 96, "ignore_eos": True}}
+              for i in range(8)]  # fmt: skip
+    batch_file = tmp_path / "prompts.jsonl"
     batch_file.write_text("".join(json.dumps(line) + "\n" for line in longer + LINES))
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "detinfer.cli", "run", "--batch", batch_file, "--out-dir", out, "--ray", cluster],
