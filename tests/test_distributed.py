@@ -196,8 +196,14 @@ def test_ctrl_c_keeps_written_results_and_resume_finishes_the_batch(cluster, ref
     batch_file = tmp_path / "prompts.jsonl"
     batch_file.write_text("".join(json.dumps(line) + "\n" for line in longer + LINES))
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "detinfer.cli", "run", "--batch", batch_file, "--out-dir", out, "--ray", cluster],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A suite started in the background without job control inherits SIGINT ignored, and exec keeps an ignored
+    # signal ignored: the child gets a terminal's Ctrl-C disposition instead (a handled signal resets to default).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "detinfer.cli", "run", "--batch", batch_file, "--out-dir", out, "--ray", cluster],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     deadline = time.monotonic() + 120
     while not list(out.glob("*.json")) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
