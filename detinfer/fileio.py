@@ -11,7 +11,7 @@ import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 from .errors import InputError
 
@@ -92,6 +92,18 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def write_cache(path: str | os.PathLike, data: bytes | Callable[[BinaryIO], object]) -> bool:
+    """Atomically write a cache file, best effort: ``data`` (bytes, or a function writing to the open file). A
+    value that can be recomputed is not worth failing a run for, so a folder that cannot be made or written, a
+    full disk or a ``path`` that is not a regular file only returns False; True once the file is in place."""
+    try:
+        with atomic_writer(path) as f:
+            data(f) if callable(data) else f.write(data)
+    except (OSError, InputError):
+        return False
+    return True
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

@@ -26,7 +26,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .errors import GGUFError
-from .fileio import atomic_write_text, load_json, sha256_file
+from .fileio import load_json, sha256_file, write_cache
 from .paths import detinfer_home
 
 INDEX_VERSION = 2
@@ -197,7 +197,7 @@ class ModelFile:
             index = _parse(self.path)
             self._validate_index(index)
             if use_index and index["header_bytes"] <= HEADER_KEY_BYTES:  # else the key does not cover it
-                atomic_write_text(self._index_path(), json.dumps(index))
+                write_cache(self._index_path(), json.dumps(index).encode("utf-8"))
         # whether caches keyed by header_key may hold values derived from this file (not for fuzzed inputs)
         self.indexed = use_index and index["header_bytes"] <= HEADER_KEY_BYTES
         self.metadata: dict[str, Any] = index["metadata"]

@@ -25,8 +25,8 @@ import tokenizers
 from gguf import TokenType
 from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
 
-from .errors import DetinferError, TokenizerError
-from .fileio import atomic_write_text, atomic_writer, sha256_bytes
+from .errors import TokenizerError
+from .fileio import sha256_bytes, write_cache
 from .gguf_file import ModelFile
 from .paths import detinfer_home
 
@@ -278,11 +278,7 @@ def _cached_spm_merges(v: _Vocab, scores: list[float], key: str) -> np.ndarray:
     except (OSError, ValueError):
         pass
     merges = _spm_merges(v, scores)
-    try:
-        with atomic_writer(path) as f:
-            np.save(f, merges, allow_pickle=False)
-    except OSError:
-        pass
+    write_cache(path, lambda f: np.save(f, merges, allow_pickle=False))
     return merges
 
 
@@ -298,10 +294,7 @@ def _metadata_hash(mf: ModelFile, meta: dict[str, Any]) -> str:
         pass
     key = sha256_bytes(json.dumps(meta, sort_keys=True, ensure_ascii=True, separators=(",", ":")).encode("ascii"))
     if path is not None:
-        try:
-            atomic_write_text(path, key)
-        except (OSError, DetinferError):
-            pass
+        write_cache(path, key.encode("ascii"))
     return key
 
 

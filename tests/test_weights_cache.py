@@ -180,3 +180,20 @@ def test_the_command_waits_for_the_store_it_writes(monkeypatch, tmp_path: Path, 
     mf = ModelFile(model_path)
     store = weights_cache.open_store(mf.header_key, layout_key())
     assert store is not None and store.records(mf.sha256) is not None
+
+
+@pytest.mark.parametrize("path_fixture", ["model_path", "gemma_path"])
+def test_home_that_cannot_be_written_is_not_an_error(monkeypatch, tmp_path: Path, request, path_fixture: str):
+    """The caches under DETINFER_HOME (the GGUF index, the tokenizer's hash and SentencePiece merge table) are written
+    best effort (fileio.write_cache): a home that cannot be written costs their time, never the run."""
+    path = request.getfixturevalue(path_fixture)
+    monkeypatch.setenv("DETINFER_HOME", str(tmp_path / "home"))
+    expected = Tokenizer.from_model(ModelFile(path))
+    written = {p.name.split(".", 1)[1] for p in (tmp_path / "home" / "index").iterdir()}  # control: all are written
+    assert {"json", "tokenizer-sha256"} <= written and (path_fixture == "model_path" or any("spm-merges" in w for w in written))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("DETINFER_HOME", str(blocker / "home"))
+    tok = Tokenizer.from_model(ModelFile(path))
+    assert tok.hash == expected.hash and tok.encode("Hello, world!") == expected.encode("Hello, world!")
+    assert blocker.read_text() == "not a folder"
