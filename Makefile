@@ -133,7 +133,7 @@ scale: pull
 	$(BIN)/python bench/scale.py
 
 fuzz: pull
-	$(BIN)/python -m detinfer.fuzz --examples 10000 --report docs/reliability.md
+	$(BIN)/python tests/fuzz.py --examples 10000 --report docs/reliability.md
 
 clean:
 	rm -rf $(VENV) .numba-boundscheck .portability .bench run.json

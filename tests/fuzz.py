@@ -1,4 +1,4 @@
-"""Offline fuzzing of every input detinfer reads: ``python -m detinfer.fuzz --examples N --report docs/reliability.md``.
+"""Offline fuzzing of every input detinfer reads: ``python tests/fuzz.py --examples N --report docs/reliability.md``.
 
 The contract under test: any input ends in a correct result or a typed ``DetinferError`` with a one-line message,
 never another exception and never a crash. Inputs are valid files written by detinfer itself (a tiny synthetic
@@ -11,7 +11,7 @@ make a kernel read out of bounds shows up as an ``IndexError`` ("other exception
 garbage, and a worker that dies is counted as a crash and restarted with the next seed. tests/test_fuzz.py runs
 the same targets in-process with a few hundred examples each.
 
-This is a developer tool: it needs the dev extra (hypothesis) and the repository's tests/ folder.
+A developer tool beside the tests, not part of the installed package: it needs the dev extra (hypothesis).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import DetinferError
+from detinfer.errors import DetinferError
 
-TESTS_DIR = Path(__file__).resolve().parents[1] / "tests"
+TESTS_DIR = Path(__file__).resolve().parent
 OK, REJECTED, BAD_MESSAGE, OTHER, CRASH, HANG = "ok", "DetinferError", "DetinferError, not one line", "other exception", "crash", "hang"
 OUTCOMES = (OK, REJECTED, BAD_MESSAGE, OTHER, CRASH, HANG)
 HANG_S = 60.0  # an input that keeps its worker silent this long is a hang: the worker is killed and restarted
@@ -58,9 +58,7 @@ def classify(fn: Callable[[], Any]) -> tuple[str, str]:
 
 
 def _factory():
-    if str(TESTS_DIR) not in sys.path:
-        sys.path.insert(0, str(TESTS_DIR))
-    import gguf_factory
+    import gguf_factory  # beside this file, so on sys.path both under pytest and as a script
 
     return gguf_factory
 
@@ -233,12 +231,12 @@ def gguf_fields(data: bytes) -> GGUFFields:
 
 def build_corpus(folder: Path) -> Corpus:
     """Write every valid input once (the tiny model, a manifest, a session, a .detkv) and read them back as bytes."""
-    from .engine import Engine
-    from .gguf_file import ModelFile
-    from .kvfile import save_kv
-    from .manifest import SamplingRecord, write_manifest
-    from .run import build_prompt, execute
-    from .session import ScriptTurn, TurnSampling, run_session, write_session
+    from detinfer.engine import Engine
+    from detinfer.gguf_file import ModelFile
+    from detinfer.kvfile import save_kv
+    from detinfer.manifest import SamplingRecord, write_manifest
+    from detinfer.run import build_prompt, execute
+    from detinfer.session import ScriptTurn, TurnSampling, run_session, write_session
 
     folder.mkdir(parents=True, exist_ok=True)
     corpus = Corpus(folder)
@@ -357,8 +355,8 @@ def apply_gguf_ops(data: bytes, ops) -> bytes:
 
 def check_gguf(corpus: Corpus, case, path: Path) -> None:
     """Load the (mutated) model, build the engine and run a 2-token forward: must succeed or raise DetinferError."""
-    from .engine import Engine
-    from .gguf_file import ModelFile
+    from detinfer.engine import Engine
+    from detinfer.gguf_file import ModelFile
 
     name, ops = case
     path.write_bytes(apply_gguf_ops(corpus.gguf[name], ops))
@@ -435,7 +433,7 @@ def reseal_manifest(data: dict) -> dict:
     """Recompute token and section hashes so the edit reaches schema validation instead of the tamper check."""
     import hashlib
 
-    from .manifest import CONTRACT_FIELDS, canonical_json, tokens_sha256
+    from detinfer.manifest import CONTRACT_FIELDS, canonical_json, tokens_sha256
 
     for sec in ("prompt", "output"):
         s = data.get(sec)
@@ -452,21 +450,21 @@ def reseal_manifest(data: dict) -> dict:
 
 
 def check_manifest(corpus: Corpus, case, path: Path) -> None:
-    from .manifest import load_manifest
+    from detinfer.manifest import load_manifest
 
     path.write_bytes(apply_json_ops(corpus.manifest, case, reseal_manifest))
     load_manifest(path)
 
 
 def check_session(corpus: Corpus, case, path: Path) -> None:
-    from .session import load_session
+    from detinfer.session import load_session
 
     path.write_bytes(apply_json_ops(corpus.session, case, None))
     load_session(path)
 
 
 def check_script(corpus: Corpus, case, path: Path) -> None:
-    from .session import load_script
+    from detinfer.session import load_script
 
     path.write_bytes(apply_json_ops(corpus.script, case, None))
     load_script(path)
@@ -490,7 +488,7 @@ def detkv_strategy(corpus: Corpus):
 
 
 def _detkv_header(data: bytes) -> tuple[dict, int]:
-    from .kvfile import PRELUDE
+    from detinfer.kvfile import PRELUDE
 
     _, _, n = PRELUDE.unpack_from(data, 0)
     return json.loads(data[PRELUDE.size : PRELUDE.size + n]), n
@@ -499,7 +497,7 @@ def _detkv_header(data: bytes) -> tuple[dict, int]:
 def apply_detkv_ops(data: bytes, case) -> bytes:
     import hashlib
 
-    from .kvfile import ALIGN, FORMAT_VERSION, MAGIC, PRELUDE
+    from detinfer.kvfile import ALIGN, FORMAT_VERSION, MAGIC, PRELUDE
 
     hedits, byte_ops, fix = case
     header, n = _detkv_header(data)
@@ -524,7 +522,7 @@ def apply_detkv_ops(data: bytes, case) -> bytes:
 
 
 def check_detkv(corpus: Corpus, case, path: Path) -> None:
-    from .kvfile import inspect_kv, load_kv
+    from detinfer.kvfile import inspect_kv, load_kv
 
     path.write_bytes(apply_detkv_ops(corpus.detkv, case))
     outcome = classify(lambda: inspect_kv(path))
@@ -564,7 +562,7 @@ def template_strategy():
 
 
 def check_template(corpus: Corpus, case, path: Path) -> None:
-    from .chat import ChatTemplate
+    from detinfer.chat import ChatTemplate
 
     source, messages, gen = case
     out = ChatTemplate(source).render(messages, add_generation_prompt=gen)
@@ -596,7 +594,7 @@ def _post(corpus: Corpus, url: str, body: bytes) -> None:
     if corpus._client is None:
         from fastapi.testclient import TestClient
 
-        from .server import ServerSettings, create_app
+        from detinfer.server import ServerSettings, create_app
 
         corpus._client = TestClient(create_app(corpus.engine, ServerSettings(max_queue=4, threads=1, max_body_bytes=1 << 16)))
         corpus._client.__enter__()  # starts the decode worker (the app's lifespan); lives as long as the process
@@ -642,7 +640,7 @@ def template_loop_strategy():
 
 def check_template_loop(corpus: Corpus, case, path: Path) -> None:
     """Render: a result or a TemplateError, and in either case within the CPU budget (plus slack): never a hang."""
-    from .chat import MAX_RENDER_CPU_S, ChatTemplate
+    from detinfer.chat import MAX_RENDER_CPU_S, ChatTemplate
 
     source, message, count = case
     t0 = time.thread_time()
@@ -674,9 +672,9 @@ def _base_json(corpus: Corpus, kind: str) -> Any:
 def check_deep_json(corpus: Corpus, case, path: Path) -> None:
     """Load the JSON with one value replaced by the hostile text: a result or a one-line DetinferError (a 4xx for
     the server), never a RecursionError / ValueError traceback or a 500."""
-    from .chat import load_messages
-    from .manifest import load_manifest
-    from .session import load_script, load_session
+    from detinfer.chat import load_messages
+    from detinfer.manifest import load_manifest
+    from detinfer.session import load_script, load_session
 
     kind, hostile, pick = case
     base = _base_json(corpus, kind)
@@ -751,12 +749,12 @@ def _special_path(folder: Path, kind: str, data: bytes) -> Path:
 def check_special_file(corpus: Corpus, case, folder: Path) -> None:
     """Read or write the path: a result or a one-line DetinferError at once (the worker's watchdog counts a hang),
     and a path that is not a regular file is never replaced by a write."""
-    from .chat import ChatTemplate, load_messages
-    from .fileio import atomic_write_text, check_output, check_output_dir, read_input_text
-    from .errors import InputError
-    from .kvfile import inspect_kv, load_kv
-    from .manifest import load_manifest
-    from .session import load_script, load_session
+    from detinfer.chat import ChatTemplate, load_messages
+    from detinfer.fileio import atomic_write_text, check_output, check_output_dir, read_input_text
+    from detinfer.errors import InputError
+    from detinfer.kvfile import inspect_kv, load_kv
+    from detinfer.manifest import load_manifest
+    from detinfer.session import load_script, load_session
 
     kind, op, data = case
     path = _special_path(folder, kind, data)
@@ -868,11 +866,10 @@ def _run_in_worker(name: str, examples: int, seed: int, workdir: Path, log: Call
     counts = {o: 0 for o in OUTCOMES}
     failures: list[dict] = []
     env = dict(os.environ, NUMBA_BOUNDSCHECK="1", NUMBA_CACHE_DIR=str(workdir / "numba-boundscheck"))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")]))
     done, attempt = 0, 0
     t0 = time.perf_counter()
     while done < examples and attempt < 20:
-        cmd = [sys.executable, "-m", "detinfer.fuzz", "--worker", name, "--examples", str(examples - done),
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--examples", str(examples - done),
                "--seed", str(seed + attempt), "--workdir", str(workdir / name)]  # fmt: skip
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         got = 0
@@ -931,7 +928,7 @@ def report_markdown(results: dict[str, dict]) -> str:
     lines = [
         "# Reliability: fuzzing, crash safety, bad input",
         "",
-        "Generated by `make fuzz` (`python -m detinfer.fuzz --examples N --report docs/reliability.md`; the counts are",
+        "Generated by `make fuzz` (`python tests/fuzz.py --examples N --report docs/reliability.md`; the counts are",
         "kept in docs/reliability.json, and a run of some targets with `--targets` replaces only their rows). The",
         "contract: every input ends in a correct result or a typed `DetinferError` with a one-line message, never another",
         "exception, never a crash. Each target ran in a worker process with `NUMBA_BOUNDSCHECK=1`, so a kernel",
@@ -999,7 +996,7 @@ def report_markdown(results: dict[str, dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m detinfer.fuzz", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python tests/fuzz.py", description=__doc__.splitlines()[0])
     p.add_argument("--examples", type=int, default=300, help="examples per target")
     p.add_argument("--report", type=Path, default=None, help="write a markdown report here (e.g. docs/reliability.md)")
     p.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated subset of {', '.join(TARGETS)}")
@@ -1022,7 +1019,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = {"examples": args.examples, "commit": _git_commit(), "date": time.strftime("%Y-%m-%d")}
     results = {n: dict(r, **stamp) for n, r in results.items()}
     if args.report:
-        from .fileio import atomic_write_text, read_json
+        from detinfer.fileio import atomic_write_text, read_json
 
         counts_file = args.report.with_suffix(".json")
         kept = read_json(counts_file, RuntimeError, "fuzz report") if counts_file.exists() else {}

@@ -1,6 +1,6 @@
 """Fuzzing every input detinfer reads: each ends in a result or a one-line DetinferError, never anything else.
 
-The strategies and checks live in detinfer/fuzz.py (the offline `make fuzz` runner uses the same ones with
+The strategies and checks live in tests/fuzz.py (the offline `make fuzz` runner uses the same ones with
 10,000 examples per target, in worker processes with NUMBA_BOUNDSCHECK=1); here each target runs a bounded
 number of hypothesis examples in-process. Also here: chat-template limits and sandbox escapes, and one short
 forward + generation with numba bounds checking on.
@@ -20,7 +20,8 @@ import pytest
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 
-from detinfer import chat, fuzz  # noqa: E402
+import fuzz  # noqa: E402
+from detinfer import chat  # noqa: E402
 from detinfer.chat import MAX_RENDER_CHARS, ChatTemplate  # noqa: E402
 from detinfer.errors import TemplateError  # noqa: E402
 
