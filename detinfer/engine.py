@@ -22,7 +22,7 @@ from .chat import ChatTemplate
 from .config import ModelConfig
 from .errors import InputError
 from .gguf_file import ModelFile
-from .kvcache import KVCache, check_kv_fits, kv_bytes_per_number, parse_kv_type
+from .kvcache import KVCache, KVPool, check_kv_fits, kv_bytes_per_number, parse_kv_type
 from .quants import DEQUANT_ROW
 from .registry import resolve_model
 from .tokenizer import Tokenizer
@@ -111,6 +111,7 @@ class Engine:
         self._layer_window = [cfg.sliding_window if swa else 0 for swa in cfg.swa_layers]
         self.attn_scale = np.float32(1.0 / np.sqrt(np.float64(cfg.query_pre_attn_scalar)))
         self._scratch: dict[int, _Scratch] = {}
+        self._kv_pool = KVPool()
 
     @classmethod
     def load(cls, model: str | os.PathLike | None = None, *, n_ctx: int = DEFAULT_N_CTX, kv_type: str = "f32") -> "Engine":
@@ -124,8 +125,9 @@ class Engine:
             return cls(ModelFile(resolve_model(model)), n_ctx=n_ctx, kv_type=kv_type)
 
     def new_cache(self) -> KVCache:
-        """An empty KV cache of n_ctx positions (allocated zeroed; pages are only committed when written)."""
-        return KVCache(self.config, self.n_ctx, self.kv_type)
+        """An empty KV cache of n_ctx positions: zeroed memory, that of the last cache dropped if nothing views it
+        any more (:class:`KVPool`), else a new mapping whose pages are committed when written."""
+        return KVCache(self.config, self.n_ctx, self.kv_type, pool=self._kv_pool)
 
     def kv_bytes(self, n_positions: int | None = None, kv_type: str | None = None) -> int:
         """KV cache bytes for ``n_positions`` (default n_ctx) with the formula in :class:`KVCache`."""
@@ -202,6 +204,7 @@ class Engine:
         T = ids.shape[0]
         s = self._scratch_for(T)
         pos0 = cache.n_tokens
+        cache.will_write(pos0 + T)
         positions = np.arange(pos0, pos0 + T, dtype=np.int64)
         qw, kvw = cfg.n_head * cfg.head_dim, cfg.kv_width
         eps = np.float32(cfg.rms_norm_eps)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import mmap
+import sys
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -195,38 +197,88 @@ class KVSnapshot:
         return KVSnapshot(self.kv_type, self.tokens[:n], tuple(a[:, :, :n] for a in self.k), tuple(a[:, :n, :] for a in self.v))
 
 
+class _Memory:
+    """The zeroed anonymous mapping behind a KVCache, as ``flat`` (``dtype``), and how many positions of it may have
+    been written (``written``). Small pages only: with transparent huge pages, writing one position of the
+    transposed K rows would commit every 2 MB page."""
+
+    def __init__(self, nbytes: int, dtype: type):
+        self.buf = mmap.mmap(-1, nbytes)
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):
+            self.buf.madvise(mmap.MADV_NOHUGEPAGE)
+        self.flat = np.frombuffer(self.buf, dtype)
+        self.written = 0
+
+
+class KVPool:
+    """The memory of one dropped KV cache, kept for the engine's next one, as llama.cpp keeps its context's KV
+    buffer across sequences.
+
+    A fresh mapping commits its pages on first write: each of the n_layer x n_head_kv x head_dim transposed K rows
+    faults in a page at the first position (and again every 4 KB of positions), 15-20 ms for SmolLM2's 5,760 rows,
+    more than a tenth of a 64-token prefill. A recycled one is zeroed back to what a fresh mapping reads (only its
+    ``written`` positions, so the cost follows the work the last sequence did), and is recycled only if no array
+    still views it: a dropped cache's arrays that the caller kept keep their bytes.
+    """
+
+    def __init__(self) -> None:
+        self._spare: list[tuple[_Memory, tuple[int, int, int, int]]] = []
+
+    def give(self, mem: _Memory, shape: tuple[int, int, int, int]) -> None:
+        """Keep ``mem`` (of a cache of (n_layer, n_head_kv, head_dim, n_ctx) that was just dropped) as the spare."""
+        self._spare[:] = [(mem, shape)]
+
+    def take(self, nbytes: int, dtype: type) -> _Memory | None:
+        """The spare memory zeroed, if it has ``nbytes`` of ``dtype`` and nothing views it any more; else None."""
+        if not self._spare:
+            return None
+        mem, (n_layer, n_head_kv, head_dim, n_ctx) = self._spare.pop()
+        # references: mem.flat and getrefcount's argument; any more are views of a dropped cache's arrays
+        if len(mem.buf) != nbytes or mem.flat.dtype != dtype or sys.getrefcount(mem.flat) > 2:
+            return None
+        mem.flat.reshape(2, n_layer, n_head_kv, head_dim, n_ctx)[0, :, :, :, : mem.written] = 0
+        mem.flat.reshape(2, n_layer, n_head_kv, n_ctx, head_dim)[1, :, :, : mem.written] = 0
+        mem.written = 0
+        return mem
+
+
 class KVCache:
     """K and V for positions 0..n_tokens-1 of one sequence.
 
     k[l]: [n_head_kv, head_dim, n_ctx] (transposed: attention scores read positions contiguously);
     v[l]: [n_head_kv, n_ctx, head_dim]; dtype float32, or uint16 float16 bits for kv_type "f16".
     ``tokens`` are the token ids whose K/V are held, in position order.
-    Arrays are allocated zeroed (untouched pages cost no memory) and never reallocated; positions past
-    n_tokens are kept zero (truncate and restore clear what they drop).
+    Arrays are allocated zeroed (untouched pages cost no memory) or, with a ``pool``, taken zeroed from the
+    cache it last recycled, and never reallocated; positions past n_tokens are kept zero (truncate and restore
+    clear what they drop).
     """
 
     # Attention layers: truncating to k < n_tokens is exact. A cache with a recurrent-state layer would set this
     # False (its state is a running total over all positions, with nothing to cut back to).
     truncatable = True
 
-    def __init__(self, cfg: ModelConfig, n_ctx: int, kv_type: str = "f32"):
+    def __init__(self, cfg: ModelConfig, n_ctx: int, kv_type: str = "f32", pool: KVPool | None = None):
         self.kv_type = parse_kv_type(kv_type)
         check_kv_fits(cfg, n_ctx, self.kv_type)
         self.n_ctx = n_ctx
         self.n_layer, self.n_head_kv, self.head_dim = cfg.n_layer, cfg.n_head_kv, cfg.head_dim
         dtype = KV_TYPES[self.kv_type]
-        # One anonymous mapping for every layer: zero pages cost no memory until written. Small pages only: with
-        # transparent huge pages, writing one position of the transposed K rows would commit every 2 MB page.
         per_layer = cfg.n_head_kv * cfg.head_dim * n_ctx
-        buf = mmap.mmap(-1, 2 * cfg.n_layer * per_layer * np.dtype(dtype).itemsize)
-        if hasattr(mmap, "MADV_NOHUGEPAGE"):
-            buf.madvise(mmap.MADV_NOHUGEPAGE)
-        block = np.frombuffer(buf, dtype).reshape(2 * cfg.n_layer, per_layer)
+        nbytes = 2 * cfg.n_layer * per_layer * np.dtype(dtype).itemsize
+        self._mem = (pool.take(nbytes, dtype) if pool is not None else None) or _Memory(nbytes, dtype)
+        block = self._mem.flat.reshape(2 * cfg.n_layer, per_layer)
         self.k = [block[i].reshape(cfg.n_head_kv, cfg.head_dim, n_ctx) for i in range(cfg.n_layer)]
         self.v = [block[cfg.n_layer + i].reshape(cfg.n_head_kv, n_ctx, cfg.head_dim) for i in range(cfg.n_layer)]
         self.tokens: list[int] = []
         # float16 -> float32 decode table for the kernels (a 1-element dummy for f32 storage)
         self.lut = F16_TO_F32 if self.kv_type == "f16" else np.zeros(1, np.float32)
+        if pool is not None:
+            weakref.finalize(self, pool.give, self._mem, (cfg.n_layer, cfg.n_head_kv, cfg.head_dim, n_ctx)).atexit = False
+
+    def will_write(self, end: int) -> None:
+        """Record that positions below ``end`` may be written (the engine calls it before a chunk's KV writes, so
+        also for a forward that fails midway): memory recycled by :class:`KVPool` is zeroed that far."""
+        self._mem.written = max(self._mem.written, end)
 
     @property
     def n_tokens(self) -> int:
@@ -323,6 +375,7 @@ class KVCache:
         if n != snapshot.n_tokens and not (self.truncatable and snapshot.truncatable):
             raise InputError("this KV snapshot holds recurrent state and can only be restored whole")
         old = self.n_tokens
+        self.will_write(n)
         for kc, vc, ks, vs in zip(self.k, self.v, snapshot.k, snapshot.v):
             kc[:, :, :n] = ks[:, :, :n]
             vc[:, :n, :] = vs[:, :n, :]

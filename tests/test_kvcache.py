@@ -100,6 +100,61 @@ def _error(exc_info) -> str:
 # ---------------------------------------------------------------- snapshot / restore
 
 
+def _bits(a: np.ndarray) -> bytes:
+    return a.view(np.uint32).tobytes()
+
+
+def test_recycled_cache_memory_is_zeroed_and_gives_the_same_bytes(engine, ids, reference):
+    """Engine.new_cache recycles the memory of the last cache dropped (KVPool): it reads as a new mapping does, all
+    zero, and a forward on it gives the bytes of a cache that was never pooled."""
+    cache = engine.new_cache()
+    engine.forward(ids, cache)
+    mem = cache._mem
+    del cache
+    recycled = engine.new_cache()
+    assert recycled._mem is mem, "the dropped cache's memory was recycled"
+    assert not any(a.any() for a in recycled.k + recycled.v)
+    unpooled = KVCache(engine.config, engine.n_ctx, engine.kv_type)
+    for c in (recycled, unpooled):
+        assert _bits(engine.forward(ids, c, all_logits=True)) == _bits(reference[0])
+    assert recycled.digest() == unpooled.digest() == reference[1].digest()
+    assert all(np.array_equal(a, b) for a, b in zip(recycled.k + recycled.v, unpooled.k + unpooled.v, strict=True))
+    del recycled
+    restored = engine.new_cache()  # a cache filled by restore, not by the engine, is zeroed as far too
+    restored.restore(reference[1].snapshot())
+    del restored
+    again = engine.new_cache()
+    assert not any(a.any() for a in again.k + again.v)
+
+
+def test_without_the_written_mark_recycled_memory_would_hold_stale_bytes(engine, ids, monkeypatch):
+    """Negative control of the test above: the zeroing reaches as far as the engine said it may write."""
+    monkeypatch.setattr(KVCache, "will_write", lambda self, end: None)
+    cache = engine.new_cache()
+    engine.forward(ids, cache)
+    del cache
+    recycled = engine.new_cache()
+    assert any(a.any() for a in recycled.k + recycled.v)
+    recycled._mem.written = engine.n_ctx  # so the next test's cache is zeroed whole
+
+
+@pytest.mark.parametrize("keep_view", [True, False])
+def test_memory_still_viewed_is_not_recycled(engine, ids, keep_view):
+    """An array of a dropped cache that the caller still holds keeps its bytes: its memory is not recycled."""
+    cache = engine.new_cache()
+    engine.forward(ids, cache)
+    mem, view = cache._mem, cache.k[0][:, :, : len(ids)]
+    before = view.copy()
+    if not keep_view:
+        del view
+    del cache
+    other = engine.new_cache()
+    engine.forward(ids[::-1], other)
+    assert (other._mem is mem) is not keep_view  # control (False): with no view left, the memory is recycled
+    if keep_view:
+        assert view.any() and np.array_equal(view, before)
+
+
 def test_snapshot_restore_continues_bit_identically(engine, ids, reference):
     ref_logits, ref_cache = reference
     cache = engine.new_cache()
