@@ -31,7 +31,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, ValidationError
 
 from .errors import DetinferError, GGUFError
-from .fileio import atomic_write_text, atomic_writer, load_json
+from .fileio import load_json, write_cache
 from .paths import detinfer_home
 
 ALIGN = 64  # byte alignment of every array in a .bin (numba types an array aligned to its dtype; a cache line)
@@ -151,28 +151,35 @@ def save_store(header_key: str, gguf_sha256: str, layout: str, records: dict[str
     if (paths := _paths(header_key, layout)) is None:
         return
     data_path, json_path = paths
-    h, offset, matrices = hashlib.sha256(), 0, {}
-    try:
-        with atomic_writer(data_path) as f:
-            for name, (fields, arrs) in records.items():
-                specs = []
-                for a in arrs:
-                    if not isinstance(a, np.ndarray):
-                        specs.append(a)
-                        continue
-                    pad = b"\0" * (-offset % ALIGN)
-                    for chunk in (pad, memoryview(a).cast("B")):
-                        f.write(chunk)
-                        h.update(chunk)
-                    offset += len(pad)
-                    specs.append({"dtype": a.dtype.name, "shape": list(a.shape), "offset": offset})
-                    offset += a.nbytes
-                matrices[name] = {"fields": fields, "arrays": specs}
-        d = _Descriptor(version=STORE_VERSION, gguf_sha256=gguf_sha256, layout=layout, data_bytes=offset,
-                        data_sha256=h.hexdigest(), matrices=matrices)  # fmt: skip
-        atomic_write_text(json_path, d.model_dump_json())
+    h, matrices = hashlib.sha256(), {}
+    offset = 0
+
+    def write_arrays(f) -> None:
+        nonlocal offset
+        for name, (fields, arrs) in records.items():
+            specs = []
+            for a in arrs:
+                if not isinstance(a, np.ndarray):
+                    specs.append(a)
+                    continue
+                pad = b"\0" * (-offset % ALIGN)
+                for chunk in (pad, memoryview(a).cast("B")):
+                    f.write(chunk)
+                    h.update(chunk)
+                offset += len(pad)
+                specs.append({"dtype": a.dtype.name, "shape": list(a.shape), "offset": offset})
+                offset += a.nbytes
+            matrices[name] = {"fields": fields, "arrays": specs}
+
+    if not write_cache(data_path, write_arrays):
+        return
+    d = _Descriptor(version=STORE_VERSION, gguf_sha256=gguf_sha256, layout=layout, data_bytes=offset,
+                    data_sha256=h.hexdigest(), matrices=matrices)  # fmt: skip
+    if not write_cache(json_path, d.model_dump_json().encode("utf-8")):
+        return
+    try:  # one store per model: the stores of other layouts for the same header go
         for old in data_path.parent.glob(f"{header_key}-*"):
             if old.stem != data_path.stem:
                 old.unlink(missing_ok=True)
-    except (DetinferError, OSError):
-        return
+    except OSError:
+        pass
