@@ -213,7 +213,6 @@ class Engine:
         norm = kernels.rmsnorm_tokens if chunk else kernels.rmsnorm
         norm_heads = kernels.rmsnorm_heads_tokens if chunk else kernels.rmsnorm_heads
         rope = self._rope_tokens if chunk else self._rope
-        kv_write = kernels.kv_write_tokens if chunk else kernels.kv_write
         ffn_act = self._ffn_act_tokens if chunk else self._ffn_act
         for t in range(T):
             self._embd_row(w.token_embd[ids[t]], s.x[t])
@@ -224,14 +223,14 @@ class Engine:
             layer.attn_qkv(s.xn, self._codes(s, s.xn), s.qkv)
             if layer.attn_qkv_bias is not None:
                 kernels.add_bias(s.qkv, layer.attn_qkv_bias)
-            q, k, v = s.qkv[:, :qw], s.qkv[:, qw : qw + kvw], s.qkv[:, qw + kvw :]
+            q, k = s.qkv[:, :qw], s.qkv[:, qw : qw + kvw]
             if layer.attn_q_norm is not None:
                 norm_heads(q.reshape(T, cfg.n_head, cfg.head_dim), layer.attn_q_norm, eps)
                 norm_heads(k.reshape(T, cfg.n_head_kv, cfg.head_dim), layer.attn_k_norm, eps)
             cos, sin = self._layer_rope[li]
             rope(q, positions, cfg.n_head, cfg.head_dim, cos, sin)
             rope(k, positions, cfg.n_head_kv, cfg.head_dim, cos, sin)
-            kv_write(cache.k[li], cache.v[li], k, v, pos0)
+            kernels.kv_write(cache.k[li], cache.v[li], s.qkv, qw, qw + kvw, pos0)
             kernels.attention(s.qkv, cache.k[li], cache.v[li], pos0, cfg.n_head, self.attn_scale, cache.lut, s.attn,
                               self._layer_window[li], heads_per_job)  # fmt: skip
             layer.attn_output(s.attn, self._codes(s, s.attn), s.proj)

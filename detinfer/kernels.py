@@ -52,6 +52,7 @@ ROWS = 64  # output rows per repacked group (a multiple of 16, the rows of one 5
 # rows take a runtime trip count: a compile-time one made LLVM unroll them into scalar code instead of vectorizing.
 QK = 32  # elements per block in Q4_0, Q4_1, Q8_0 (GGUF spec)
 PREFETCH_BLOCKS = 2  # how many blocks ahead the weight stream is prefetched
+KV_TILE = 16  # K positions written per transposed row at a time (one 64-byte line of float32)
 
 
 @intrinsic
@@ -604,19 +605,29 @@ def _kv_store(a, i, v):
 
 
 @njit(cache=True)
-def kv_write(k_cache, v_cache, k, v, pos0):
+def kv_write(k_cache, v_cache, qkv, k_col, v_col, pos0):
     """Append K and V of T tokens at positions pos0 .. pos0+T-1.
 
     k_cache: [n_head_kv, head_dim, n_ctx] (K stored transposed, so attention scores vectorize over positions);
-    v_cache: [n_head_kv, n_ctx, head_dim]; both float32 or float16 bits (uint16). k, v: float32 [T, n_head_kv*head_dim].
+    v_cache: [n_head_kv, n_ctx, head_dim]; both float32 or float16 bits (uint16). qkv: float32 [T, >= v_col +
+    n_head_kv*head_dim], K in columns k_col.., V in columns v_col.. (the whole q|k|v buffer, so that a chunk and one
+    token pass the same array type and the kernel compiles once).
+    K is written KV_TILE positions of one transposed row at a time, not token by token: the rows lie n_ctx numbers
+    apart (16 KB at n_ctx 4096, a power of two), so one token's n_head_kv x head_dim values fall in a few cache sets
+    and evict each other, a miss per value; a tile fills whole lines. Serial: stores only.
     """
-    n_kv, hd = k_cache.shape[0], k_cache.shape[1]
-    for t in range(k.shape[0]):
-        p = pos0 + t
+    n_kv, hd, T = k_cache.shape[0], k_cache.shape[1], qkv.shape[0]
+    for t0 in range(0, T, KV_TILE):
         for g in range(n_kv):
             for dd in range(hd):
-                kv_store(k_cache[g, dd], p, k[t, g * hd + dd])
-                kv_store(v_cache[g, p], dd, v[t, g * hd + dd])
+                row = k_cache[g, dd]
+                for t in range(t0, min(T, t0 + KV_TILE)):
+                    kv_store(row, pos0 + t, qkv[t, k_col + g * hd + dd])
+    for t in range(T):
+        for g in range(n_kv):
+            vrow = v_cache[g, pos0 + t]
+            for dd in range(hd):
+                kv_store(vrow, dd, qkv[t, v_col + g * hd + dd])
 
 
 @njit(cache=True, parallel=True, error_model="numpy")
@@ -812,13 +823,6 @@ def rope_neox_tokens(x, positions, n_head, head_dim, cos, sin):
     """:func:`rope_neox`, tokens in parallel."""
     for t in prange(x.shape[0]):
         rope_neox(x[t : t + 1], positions[t : t + 1], n_head, head_dim, cos, sin)
-
-
-@njit(cache=True, parallel=True)
-def kv_write_tokens(k_cache, v_cache, k, v, pos0):
-    """:func:`kv_write`, tokens in parallel."""
-    for t in prange(k.shape[0]):
-        kv_write(k_cache, v_cache, k[t : t + 1], v[t : t + 1], pos0 + t)
 
 
 @njit(cache=True, parallel=True)

@@ -121,7 +121,7 @@ def _run_attention(q, k, v, pos0, n_head, scale, window, n_ctx=32):
     hd = q.shape[1] // n_head
     n_kv = n_kv_hd // hd
     kc, vc = np.zeros((n_kv, hd, n_ctx), np.float32), np.zeros((n_kv, n_ctx, hd), np.float32)
-    kernels.kv_write(kc, vc, k, v, 0)
+    kernels.kv_write(kc, vc, np.hstack([k, v]), 0, n_kv_hd, 0)
     out = np.empty((q.shape[0], q.shape[1]), np.float32)
     kernels.attention(q, kc, vc, pos0, n_head, scale, np.zeros(1, np.float32), out, window)
     return out

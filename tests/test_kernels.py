@@ -619,25 +619,34 @@ def new_cache(kv_type: str):
     return np.zeros((N_KV, HD, N_CTX), dtype), np.zeros((N_KV, N_CTX, HD), dtype), lut
 
 
+def kv_write(kc, vc, k, v, pos0):
+    """kernels.kv_write with K and V in one q|k|v-like buffer, a spare column before each as the engine's q is."""
+    T, w = k.shape
+    qkv = np.full((T, 2 * w + 2), np.nan, np.float32)
+    qkv[:, 1 : 1 + w], qkv[:, 2 + w :] = k, v
+    kernels.kv_write(kc, vc, qkv, 1, 2 + w, pos0)
+
+
+@pytest.mark.parametrize("T", [1, 3, kernels.KV_TILE, N_CTX - 5])  # K is written in tiles of KV_TILE positions
 @pytest.mark.parametrize("kv_type", ["f32", "f16"])
-def test_kv_write_layout_and_rounding(kv_type):
+def test_kv_write_layout_and_rounding(kv_type, T):
     rng = np.random.default_rng(6)
     kc, vc, _ = new_cache(kv_type)
-    k = (rng.standard_normal((3, N_KV * HD)) * 4).astype(np.float32)
-    v = (rng.standard_normal((3, N_KV * HD)) * 4).astype(np.float32)
+    k = (rng.standard_normal((T, N_KV * HD)) * 4).astype(np.float32)
+    v = (rng.standard_normal((T, N_KV * HD)) * 4).astype(np.float32)
     pos0 = 5
-    kernels.kv_write(kc, vc, k, v, pos0)
-    kk = k.reshape(3, N_KV, HD)
-    vv = v.reshape(3, N_KV, HD)
+    kv_write(kc, vc, k, v, pos0)
+    kk = k.reshape(T, N_KV, HD)
+    vv = v.reshape(T, N_KV, HD)
     want_k = kk.transpose(1, 2, 0)  # [n_kv, hd, T]: K is stored transposed
     want_v = vv.transpose(1, 0, 2)  # [n_kv, T, hd]
     if kv_type == "f16":
         want_k = want_k.astype(np.float16).view(np.uint16)  # round to nearest even, as numpy casts
         want_v = want_v.astype(np.float16).view(np.uint16)
-    assert np.array_equal(kc[:, :, pos0 : pos0 + 3], want_k), "K cache layout or rounding is wrong"
-    assert np.array_equal(vc[:, pos0 : pos0 + 3, :], want_v), "V cache layout or rounding is wrong"
+    assert np.array_equal(kc[:, :, pos0 : pos0 + T], want_k), "K cache layout or rounding is wrong"
+    assert np.array_equal(vc[:, pos0 : pos0 + T, :], want_v), "V cache layout or rounding is wrong"
     untouched = np.ones(N_CTX, bool)
-    untouched[pos0 : pos0 + 3] = False
+    untouched[pos0 : pos0 + T] = False
     assert not kc[:, :, untouched].any() and not vc[:, untouched, :].any(), "kv_write wrote other positions"
 
 
@@ -646,8 +655,8 @@ def fill_cache(kv_type: str, rng: np.random.Generator, n: int):
     kc, vc, lut = new_cache(kv_type)
     k = rng.standard_normal((N_CTX, N_KV * HD)).astype(np.float32)
     v = rng.standard_normal((N_CTX, N_KV * HD)).astype(np.float32)
-    kernels.kv_write(kc, vc, k[:n], v[:n], 0)
-    kernels.kv_write(kc, vc, np.full_like(k[n:], 1e4), np.full_like(v[n:], 1e4), n)
+    kv_write(kc, vc, k[:n], v[:n], 0)
+    kv_write(kc, vc, np.full_like(k[n:], 1e4), np.full_like(v[n:], 1e4), n)
     return kc, vc, lut
 
 
@@ -709,11 +718,11 @@ def test_attention_chunk_equals_one_token_calls(kv_type):
     k = rng.standard_normal((T, N_KV * HD)).astype(np.float32)
     v = rng.standard_normal((T, N_KV * HD)).astype(np.float32)
     q = (rng.standard_normal((T, N_HEAD * HD)) * 3).astype(np.float32)
-    kernels.kv_write(kc, vc, k, v, pos0)
+    kv_write(kc, vc, k, v, pos0)
     chunk = run_attention(q, kc, vc, lut, pos0, GROUP)  # as the engine runs chunks
     singles = []
     for t in range(T):
-        kernels.kv_write(kc2, vc2, k[t : t + 1], v[t : t + 1], pos0 + t)
+        kv_write(kc2, vc2, k[t : t + 1], v[t : t + 1], pos0 + t)
         singles.append(run_attention(q[t : t + 1].copy(), kc2, vc2, lut, pos0 + t))
     n = pos0 + T
     assert np.array_equal(kc[:, :, :n], kc2[:, :, :n]) and np.array_equal(vc[:, :n], vc2[:, :n]), "KV bytes differ"
