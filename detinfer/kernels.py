@@ -30,7 +30,7 @@ import os
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
@@ -407,8 +407,19 @@ def quantize_blocks(x, xq, dx, sx):
                 st[2 * b + h] = s
 
 
+def token_slices(n_groups: int, T: int) -> int:
+    """Token slices per row group for :func:`matmul_q`: 1, or the thread count when the threads do not divide the
+    row groups and the chunk has at least two TOKENS runs per thread. Then every thread gets the same number of
+    jobs (SmolLM2's 9 groups of 576 outputs: 5 + 4 per thread caps 2 threads at 1.8x; 9 + 9 half groups do not),
+    for one more pass over a group's weights per slice, which a chunk can afford. Bytes do not depend on it."""
+    if T < 4 * TOKENS:
+        return 1  # decode and short chunks: no call into the threading layer (~2 us)
+    n_threads = get_num_threads()
+    return n_threads if n_groups % n_threads and T >= 2 * TOKENS * n_threads else 1
+
+
 @njit(cache=True, parallel=True)
-def matmul_q(qs, qh, d, d_hi, m, z, d_super, m_super, xq, dx, sx, out):
+def matmul_q(qs, qh, d, d_hi, m, z, d_super, m_super, xq, dx, sx, slices, out):
     """out[T, n_out] = x @ W.T for block-quantized weights (every GGUF type detinfer reads but F32/F16/BF16), from
     the activation codes of :func:`quantize_blocks` (xq int8 [T, n_in], dx float32 [T, nb], sx int32 [T, 2 nb]).
 
@@ -430,16 +441,22 @@ def matmul_q(qs, qh, d, d_hi, m, z, d_super, m_super, xq, dx, sx, out):
       u = d * float(lo + hi - z (s0 + s1))                  one scale (Q4_0, Q5_0, Q8_0),
       u = fma(d_hi, float(hi - z s1), d * float(lo - z s0))  Q6_K,
     (every float() exact: its integer is below 2^21 in magnitude), and acc = fma(dx, u, acc), blocks left to
-    right from acc = +0. Parallel over row groups only; every token runs this same sequence, whatever T is.
+    right from acc = +0. Every token runs this same sequence, whatever T is and whichever job computes it.
+    Parallel over jobs of (row group, token slice), never over a sum: the T tokens are cut into ``slices`` runs of
+    whole TOKENS (:func:`token_slices`), and each job streams its group's weights once for its run.
     """
     G, nb = d.shape[0], d.shape[1]
     n_out, T = out.shape[1], xq.shape[0]
-    for g in prange(G):
+    per_slice = (T + slices - 1) // slices
+    per_slice = (per_slice + TOKENS - 1) // TOKENS * TOKENS
+    for job in prange(G * slices):
+        g, t_lo = job // slices, job % slices * per_slice
+        t_hi = min(T, t_lo + per_slice)
         row0 = g * ROWS
         n = min(ROWS, n_out - row0)
         qg, qhg, dg, hg, mg = qs[g], _sub(qh, g), d[g], _sub(d_hi, g), _sub(m, g)
         sdg, smg = _sub(d_super, g), _sub(m_super, g)
-        acc = np.zeros(T * ROWS, np.float32)
+        acc = np.zeros(max(0, t_hi - t_lo) * ROWS, np.float32)
         for b in range(nb):
             _prefetch_rows(qg, b + PREFETCH_BLOCKS)
             _prefetch_rows(qhg, b + PREFETCH_BLOCKS)
@@ -448,18 +465,20 @@ def matmul_q(qs, qh, d, d_hi, m, z, d_super, m_super, xq, dx, sx, out):
             _prefetch_rows(mg, b + PREFETCH_BLOCKS)
             qb, qhb, db, hb, mb = qg[b], _sub(qhg, b), dg[b], _sub(hg, b), _sub(mg, b)
             sdb, smb = _sub(sdg, b // 8), _sub(smg, b // 8)
-            t = 0
-            while t + TOKENS <= T:
-                _qblock4(qb, qhb, xq[t : t + TOKENS, b * QK : b * QK + QK], acc[t * ROWS : (t + TOKENS) * ROWS], db,
+            t = t_lo
+            while t + TOKENS <= t_hi:
+                a = (t - t_lo) * ROWS
+                _qblock4(qb, qhb, xq[t : t + TOKENS, b * QK : b * QK + QK], acc[a : a + TOKENS * ROWS], db,
                          hb, mb, z, dx[t : t + TOKENS, b], sx[t : t + TOKENS, 2 * b : 2 * b + 2], sdb, smb)  # fmt: skip
                 t += TOKENS
-            while t < T:
-                _qblock1(qb, qhb, xq[t : t + 1, b * QK : b * QK + QK], acc[t * ROWS : (t + 1) * ROWS], db, hb, mb, z,
+            while t < t_hi:
+                a = (t - t_lo) * ROWS
+                _qblock1(qb, qhb, xq[t : t + 1, b * QK : b * QK + QK], acc[a : a + ROWS], db, hb, mb, z,
                          dx[t : t + 1, b], sx[t : t + 1, 2 * b : 2 * b + 2], sdb, smb)  # fmt: skip
                 t += 1
-        for t in range(T):
+        for t in range(t_lo, t_hi):
             o = out[t, row0 : row0 + n]
-            at = acc[t * ROWS : t * ROWS + ROWS]
+            at = acc[(t - t_lo) * ROWS : (t - t_lo + 1) * ROWS]
             for r in range(n):
                 o[r] = at[r]
 

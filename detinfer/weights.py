@@ -179,7 +179,8 @@ class QMatrix:
     def __call__(self, x: np.ndarray, xq: Activations, out: np.ndarray) -> None:
         """out[T, n_out] = x[T, n_in] @ W.T; xq: the codes of x (:class:`Activations`, filled by the caller)."""
         if self.kind == "q":
-            kernels.matmul_q(*self.arrays, *xq, out)
+            slices = kernels.token_slices(self.arrays[2].shape[0], x.shape[0])
+            kernels.matmul_q(*self.arrays, *xq, slices, out)
         else:
             kernels.matmul_dense(*self.arrays, x, out)
 

@@ -483,13 +483,42 @@ def test_matmul_chunk_equals_one_token_calls(qtype):
         assert_bytes_equal(chunk, singles[:T], f"{qtype.name} T={T} chunk vs one-token calls", axes=("token", "row"))
 
 
-@pytest.mark.parametrize("qtype", MATRIX_TYPES, ids=lambda t: t.name)
-def test_matmul_same_bytes_at_one_and_two_threads(qtype, restore_threads):
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q6_K, Q.Q8_0], ids=lambda t: t.name)
+def test_matmul_same_bytes_whatever_token_slices(qtype, monkeypatch):
+    """A chunk cut into token slices (jobs of a row group and a run of tokens) gives the documented order's bytes,
+    for even, uneven and empty last slices (21 tokens in 2, 3 or 8 runs of whole TOKENS)."""
+    n_out, n_in, T = 2 * R + 3, row_length(qtype, 576), 21
+    rng = np.random.default_rng(int(qtype) + 350)
+    raw = random_matrix(qtype, n_out, n_in, rng)
+    mat = QMatrix.from_raw("w", qtype, raw, n_in)
+    x = activations(rng, T, n_in)
+    want = emulate_matmul_f32(qtype, raw, n_in, x)
+    for slices in (1, 2, 3, 8):
+        monkeypatch.setattr(kernels, "token_slices", lambda n_groups, T, s=slices: s)
+        assert_bytes_equal(run_matmul(mat, x), want, f"{qtype.name} {slices} token slices", axes=("token", "row"))
+
+
+def test_token_slices_balance_the_threads(restore_threads):
+    """Slices only where they even out the jobs: threads that do not divide the row groups, a long chunk."""
     two_threads_or_skip()
-    n_out, n_in = 4 * R + 3, row_length(qtype, 576)  # several row groups, so two threads really split the work
+    numba.set_num_threads(2)
+    assert kernels.token_slices(9, 512) == 2  # SmolLM2's 576 outputs: 9 groups
+    assert kernels.token_slices(10, 512) == 1  # Gemma 3's 640: 5 + 5 already
+    assert kernels.token_slices(9, 4 * kernels.TOKENS - 1) == kernels.token_slices(9, 1) == 1  # decode, short chunks
+    numba.set_num_threads(1)
+    assert kernels.token_slices(9, 512) == 1
+
+
+# T=21 with an odd number of row groups: two threads split the chunk's tokens as well (slices of 12 and 9 tokens,
+# the second with a tail of one), so both threads get the same number of (group, slice) jobs.
+@pytest.mark.parametrize("T", [3, 21], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("qtype", MATRIX_TYPES, ids=lambda t: t.name)
+def test_matmul_same_bytes_at_one_and_two_threads(qtype, T, restore_threads):
+    two_threads_or_skip()
+    n_out, n_in = 4 * R + 3, row_length(qtype, 576)  # 5 row groups, so two threads really split the work
     rng = np.random.default_rng(int(qtype) + 300)
     mat = QMatrix.from_raw("w", qtype, random_matrix(qtype, n_out, n_in, rng), n_in)
-    x = activations(rng, 3, n_in)
+    x = activations(rng, T, n_in)
     numba.set_num_threads(1)
     one = run_matmul(mat, x)
     numba.set_num_threads(2)
