@@ -38,7 +38,7 @@ TEXT = " ".join(f"item {i}: the quick brown fox jumps over the lazy dog." for i 
 KERNEL_GROUPS = {
     "attention": "attention", "rmsnorm": "norms", "rmsnorm_heads": "norms", "rope_norm": "RoPE", "rope_neox": "RoPE",
     "swiglu": "activation", "geglu": "activation", "kv_write": "KV write", "quantize_blocks": "activation codes",
-    "rmsnorm_tokens": "norms", "rmsnorm_heads_tokens": "norms",
+    "rmsnorm_tokens": "norms", "rmsnorm_heads_tokens": "norms", "kv_write_tokens": "KV write",
     "quantize_blocks_tokens": "activation codes",
     "add_inplace": "add / bias", "add_bias": "add / bias",
 }

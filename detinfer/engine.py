@@ -213,6 +213,7 @@ class Engine:
         norm = kernels.rmsnorm_tokens if chunk else kernels.rmsnorm
         norm_heads = kernels.rmsnorm_heads_tokens if chunk else kernels.rmsnorm_heads
         rope = self._rope_tokens if chunk else self._rope
+        kv_write = kernels.kv_write_tokens if chunk else kernels.kv_write
         ffn_act = self._ffn_act_tokens if chunk else self._ffn_act
         for t in range(T):
             self._embd_row(w.token_embd[ids[t]], s.x[t])
@@ -230,7 +231,7 @@ class Engine:
             cos, sin = self._layer_rope[li]
             rope(q, positions, cfg.n_head, cfg.head_dim, cos, sin)
             rope(k, positions, cfg.n_head_kv, cfg.head_dim, cos, sin)
-            kernels.kv_write(cache.k[li], cache.v[li], s.qkv, qw, qw + kvw, pos0)
+            kv_write(cache.k[li], cache.v[li], s.qkv, qw, qw + kvw, pos0)
             kernels.attention(s.qkv, cache.k[li], cache.v[li], pos0, cfg.n_head, self.attn_scale, cache.lut, s.attn,
                               self._layer_window[li], heads_per_job)  # fmt: skip
             layer.attn_output(s.attn, self._codes(s, s.attn), s.proj)

@@ -845,6 +845,15 @@ def rope_neox_tokens(x, positions, n_head, head_dim, cos, sin):
 
 
 @njit(cache=True, parallel=True)
+def kv_write_tokens(k_cache, v_cache, qkv, k_col, v_col, pos0):
+    """:func:`kv_write`, runs of KV_TILE tokens in parallel: each thread stores the K and V rows that it computed
+    (RoPE splits a chunk's tokens among the threads in the same contiguous runs), read from its own cache."""
+    for j in prange((qkv.shape[0] + KV_TILE - 1) // KV_TILE):
+        t0 = j * KV_TILE
+        kv_write(k_cache, v_cache, qkv[t0 : t0 + KV_TILE], k_col, v_col, pos0 + t0)
+
+
+@njit(cache=True, parallel=True)
 def swiglu_tokens(gate, up, out):
     """:func:`swiglu`, tokens in parallel."""
     for t in prange(gate.shape[0]):

@@ -648,23 +648,24 @@ def new_cache(kv_type: str):
     return np.zeros((N_KV, HD, N_CTX), dtype), np.zeros((N_KV, N_CTX, HD), dtype), lut
 
 
-def kv_write(kc, vc, k, v, pos0):
+def kv_write(kc, vc, k, v, pos0, kernel=kernels.kv_write):
     """kernels.kv_write with K and V in one q|k|v-like buffer, a spare column before each as the engine's q is."""
     T, w = k.shape
     qkv = np.full((T, 2 * w + 2), np.nan, np.float32)
     qkv[:, 1 : 1 + w], qkv[:, 2 + w :] = k, v
-    kernels.kv_write(kc, vc, qkv, 1, 2 + w, pos0)
+    kernel(kc, vc, qkv, 1, 2 + w, pos0)
 
 
+@pytest.mark.parametrize("kernel", [kernels.kv_write, kernels.kv_write_tokens], ids=lambda f: f.__name__)
 @pytest.mark.parametrize("T", [1, 3, kernels.KV_TILE, N_CTX - 5])  # K is written in tiles of KV_TILE positions
 @pytest.mark.parametrize("kv_type", ["f32", "f16"])
-def test_kv_write_layout_and_rounding(kv_type, T):
+def test_kv_write_layout_and_rounding(kv_type, T, kernel):
     rng = np.random.default_rng(6)
     kc, vc, _ = new_cache(kv_type)
     k = (rng.standard_normal((T, N_KV * HD)) * 4).astype(np.float32)
     v = (rng.standard_normal((T, N_KV * HD)) * 4).astype(np.float32)
     pos0 = 5
-    kv_write(kc, vc, k, v, pos0)
+    kv_write(kc, vc, k, v, pos0, kernel)
     kk = k.reshape(T, N_KV, HD)
     vv = v.reshape(T, N_KV, HD)
     want_k = kk.transpose(1, 2, 0)  # [n_kv, hd, T]: K is stored transposed
