@@ -74,7 +74,6 @@ ISAS = ("host", "avx2")
 ISA_ENV = {"host": {}, "avx2": {"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": ""}}
 ISA_NEEDS = {"host": (), "avx2": ("avx2", "fma")}  # host CPU features an ISA's code needs
 FASTMATH_ENV = "DETINFER_BENCH_FASTMATH"  # read once by detinfer.kernels
-PROGRESS_MARK = "compiling kernels"  # what the CLI prints while the first forward compiles (checked at cold start)
 TEXT = " ".join(f"item {i}: the quick brown fox jumps over the lazy dog." for i in range(400))
 RANDOM_IDS_SEED = 0
 PEER_BUILD_FILE = "BUILD"  # written by `make bench-peers` into each peer folder: how it was built
@@ -127,14 +126,6 @@ def busy_warning(window_s: float = 0.3) -> str | None:
         return None
     busy = (os.cpu_count() or 1) * (1 - (idle1 - idle0) / max(1, total1 - total0))
     return f"{busy:.1f} cores busy before a run: figures may be low" if busy > 0.3 else None
-
-
-def warm_up(engine) -> None:
-    """Compile (first run) or load from numba's cache every kernel the engine uses, outside any timing: a 2-token
-    chunk, then a 1-token step (numba types a one-row slice as contiguous, so decode has its own specializations)."""
-    cache = engine.new_cache()
-    engine.forward([0, 0], cache)
-    engine.forward([0], cache)
 
 
 def parse_isas(text: str) -> tuple[str, ...]:
@@ -248,7 +239,7 @@ class _DetinferArm:
         set_threads(threads)
         self.engine = Engine.load(model, n_ctx=N_CTX)
         self.ids = random_ids(self.engine.config.n_vocab) if ids == "random" else self.engine.tokenizer.encode(TEXT)
-        warm_up(self.engine)
+        self.engine.warm_up()
 
     def prefill(self, n: int) -> float:
         cache = self.engine.new_cache()
@@ -447,6 +438,8 @@ def measure_engines(model: str, kind: str, isa: str, threads: int, engines: list
 def start_times(model: str, runs: int, warn: Callable[[str], None]) -> StartTimes:
     """Cold start (each run in a fresh, empty NUMBA_CACHE_DIR) and warm start (the usual cache, filled first) of
     ``detinfer run --max-tokens 1``, alternating, whole process."""
+    from .engine import PROGRESS_MARK
+
     cmd = [sys.executable, "-m", "detinfer.cli", "run", "--prompt", "Hello", "--max-tokens", "1", "--quiet", "--model", model]
     subprocess.run(cmd, check=True, capture_output=True, text=True)  # fills the usual JIT cache; fails if the model cannot run
     cold, warm, shown = [], [], True
@@ -480,7 +473,7 @@ def session_figures(model: str, threads: int, runs: int) -> SessionFigures:
     engine = Engine.load(model, n_ctx=2048)
     # a model without a chat template (Gemma 3 base) runs the session in its family's built-in format
     template = None if engine.chat_template else ChatTemplate.from_option("gemma" if engine.config.arch == "gemma3" else "chatml")
-    warm_up(engine)
+    engine.warm_up()
     reuse, naive, save_ms, load_ms = [], [], [], []
     for _ in range(runs):
         t0 = time.perf_counter()

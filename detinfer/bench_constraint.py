@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .bench import busy_warning, warm_up
+from .bench import busy_warning
 from .constrain import json_schema_constraint
 from .engine import Engine
 from .errors import InputError
@@ -58,7 +58,7 @@ def bench_constraint(engine: Engine, tokens: int = 128, runs: int = 5, warn=None
     runs < 1. ``warn`` is told if another process keeps the CPU busy before the runs."""
     check_options(tokens, runs)
     prompt = build_prompt(engine, text=PROMPT, chat=True).token_ids
-    warm_up(engine)
+    engine.warm_up()
     _decode_seconds(engine, prompt, 4, True)  # builds llguidance's token trie outside the timed runs
     if warn is not None and (msg := busy_warning()):
         warn(msg)

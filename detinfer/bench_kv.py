@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench import busy_warning, warm_up
+from .bench import busy_warning
 from .bench_report import KVCurve, KVTarget, load_report
 from .engine import Engine
 from .errors import InputError
@@ -119,7 +119,7 @@ def kv_curve(engine: Engine, threads: int, targets: Sequence[int], naive_budget_
     n = max(targets)
     if len(prompt) + n > engine.n_ctx:
         raise InputError(f"{len(prompt)} prompt + {n} generated tokens exceed the context of {engine.n_ctx}")
-    warm_up(engine)
+    engine.warm_up()
     warnings: list[str] = []
 
     def check_load(arm: str) -> None:

@@ -105,17 +105,17 @@ def _compile_kernels(engine) -> None:
     spinner on a terminal, elsewhere one line if it takes over COMPILE_STATUS_DELAY_S. stdout stays clean."""
     import threading
 
-    from .bench import PROGRESS_MARK, warm_up
+    from .engine import PROGRESS_MARK
 
     message = f"{PROGRESS_MARK} or loading them from the cache (a first run compiles for up to ~1 min)…"
     if err.is_terminal:
         with err.status(message):
-            warm_up(engine)
+            engine.warm_up()
         return
     timer = threading.Timer(COMPILE_STATUS_DELAY_S, lambda: err.print(message))
     timer.start()
     try:
-        warm_up(engine)
+        engine.warm_up()
     finally:
         timer.cancel()
 

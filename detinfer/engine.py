@@ -31,6 +31,7 @@ from .weights_cache import open_store
 
 DEFAULT_N_CTX = 4096
 DEFAULT_CHUNK = 64  # prefill tokens per forward chunk: any value gives the same bytes
+PROGRESS_MARK = "compiling kernels"  # the CLI's status while warm_up runs (the bench checks it at cold start)
 GROUP_JOBS = 8  # attention takes a whole GQA group per job from this many (token, KV head) jobs on (same bytes)
 
 
@@ -123,6 +124,13 @@ class Engine:
         parse_kv_type(kv_type)
         with _gc_paused():
             return cls(ModelFile(resolve_model(model)), n_ctx=n_ctx, kv_type=kv_type)
+
+    def warm_up(self) -> None:
+        """Compile (first run) or load from numba's cache every kernel the engine uses, outside any timing: a 2-token
+        chunk, then a 1-token step (numba types a one-row slice as contiguous, so decode has its own specializations)."""
+        cache = self.new_cache()
+        self.forward([0, 0], cache)
+        self.forward([0], cache)
 
     def new_cache(self) -> KVCache:
         """An empty KV cache of n_ctx positions: zeroed memory, that of the last cache dropped if nothing views it

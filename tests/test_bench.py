@@ -32,7 +32,7 @@ from detinfer.bench_report import (
     ThreadRun,
     stats,
 )
-from detinfer.engine import Engine
+from detinfer.engine import PROGRESS_MARK, Engine
 from detinfer.errors import InputError
 from detinfer.gguf_file import ModelFile
 
@@ -155,12 +155,12 @@ def tiny_engine(tiny_model) -> Engine:
 def test_run_shows_the_compile_status_on_stderr_only(tmp_path, tiny_model, monkeypatch):
     import detinfer.cli
 
-    real = bench.warm_up
+    real = Engine.warm_up
     monkeypatch.setattr(detinfer.cli, "COMPILE_STATUS_DELAY_S", 0.0)  # as if compiling took long
-    monkeypatch.setattr(bench, "warm_up", lambda engine: (time.sleep(0.5), real(engine)))
+    monkeypatch.setattr(Engine, "warm_up", lambda engine: (time.sleep(0.5), real(engine)))
     r = cli(tmp_path, "run", "--model", tiny_model, "--prompt", "hi there", "-n", "3", "--ctx", "64")
     assert r.exit_code == 0, r.output
-    assert bench.PROGRESS_MARK in r.stderr and bench.PROGRESS_MARK not in r.stdout
+    assert PROGRESS_MARK in r.stderr and PROGRESS_MARK not in r.stdout
 
 
 def test_kv_arms_give_the_same_tokens(tiny_engine):
