@@ -55,7 +55,7 @@ portability-full: pull
 	$(BIN)/python scripts/portability.py --full
 
 manifests: pull
-	$(BIN)/python -m detinfer.golden manifests
+	$(BIN)/python scripts/golden.py manifests
 
 golden-update: pull
 	$(BIN)/python -m pytest -q tests/test_golden.py --snapshot-update

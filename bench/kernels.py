@@ -19,8 +19,9 @@ import numba
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from detinfer.engine import Engine
-from detinfer.weights import Activations, QMatrix
+from detinfer.compute.engine import Engine
+from detinfer.compute.linear import Activations, matmul, project
+from detinfer.model.weights import QMatrix
 
 # Byte offsets of the f16 scale fields in each block (ggml-common.h), set to sane values in synthetic weights:
 # random bytes there would give NaN, inf and subnormal scales, and subnormal arithmetic is slower.
@@ -32,7 +33,7 @@ def sweep(mats, ins, outs) -> float:
     t0 = time.perf_counter()
     for mm, o in zip(mats, outs):
         x, xs = ins[mm.n_in]
-        mm(x, xs, o)
+        (matmul if isinstance(mm, QMatrix) else project)(mm, x, xs, o)
     return time.perf_counter() - t0
 
 

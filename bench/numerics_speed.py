@@ -23,7 +23,7 @@ PROMPT = list(range(100, 164))  # 64 token ids, valid in both vocabularies
 
 
 def worker(model: str) -> None:
-    from detinfer.engine import Engine, set_threads
+    from detinfer.compute.engine import Engine, set_threads
 
     set_threads(1)
     engine = Engine.load(model, n_ctx=256)

@@ -23,17 +23,17 @@ from typing import Any, Callable, Generator, Iterable, Sequence, TypedDict
 
 from typing_extensions import Unpack
 
-from .chat import ChatTemplate, validate_messages
-from .constrain import Constraint, check_ignore_eos
-from .engine import DEFAULT_CHUNK, Engine, set_threads
+from .model.chat import ChatTemplate, validate_messages
+from .compute.constrain import Constraint, check_ignore_eos
+from .compute.engine import DEFAULT_CHUNK, Engine, set_threads
 from .errors import InputError
-from .generate import Step, check_prompt
-from .manifest import RunManifest, SamplingRecord
-from .prefix_cache import PrefixCache
-from .run import build_prompt, execute_steps, sampling_record
-from .sampler import SamplingParams
-from .session import SessionRecord, SessionScript, load_script, parse_script, run_session, write_session
-from .verify import VerifyResult, verify as verify_paths
+from .compute.generate import Step, check_prompt
+from .records.manifest import RunManifest, SamplingRecord
+from .compute.prefix_cache import PrefixCache
+from .records.run import build_prompt, execute_steps, sampling_record
+from .compute.sampler import SamplingParams
+from .records.session import SessionRecord, SessionScript, load_script, parse_script, run_session, write_session
+from .records.verify import VerifyResult, verify as verify_paths
 
 __all__ = ["Constraint", "LLM", "Result", "Sampling", "SessionResult", "Step", "Stream", "VerifyResult", "load", "verify"]
 
@@ -268,7 +268,7 @@ class LLM:
         else:
             sc = load_script(script)
         if sc.model is not None:
-            from .registry import resolve_model
+            from .model.registry import resolve_model
 
             if resolve_model(sc.model).resolve() != self.engine.model_file.path.resolve():
                 raise InputError(f"the session script names model {sc.model!r} but {self.engine.model_file.path.name} is "

@@ -61,11 +61,11 @@ def _fail(e: DetinferError) -> None:
 
 
 def _fan_out(verb: str, task, payloads: list, failed, *, ray: Optional[str], threads: Optional[int], actors: Optional[int], on_result=None) -> list:
-    """Run ``task`` over ``payloads`` here or on Ray (batch.fan_out) with progress on stderr; results in input order.
+    """Run ``task`` over ``payloads`` here or on Ray (distributed.fan_out) with progress on stderr; results in input order.
     Ctrl-C stops the run (exit 130) and keeps what was already written."""
-    from .batch import ItemProgress, fan_out
-    from .distributed import check_address, import_ray
-    from .engine import set_threads
+    from .integrations.batch import ItemProgress
+    from .integrations.distributed import check_address, fan_out, import_ray
+    from .compute.engine import set_threads
 
     try:
         if ray is None:
@@ -105,7 +105,7 @@ def _compile_kernels(engine) -> None:
     spinner on a terminal, elsewhere one line if it takes over COMPILE_STATUS_DELAY_S. stdout stays clean."""
     import threading
 
-    from .engine import PROGRESS_MARK
+    from .compute.engine import PROGRESS_MARK
 
     message = f"{PROGRESS_MARK} or loading them from the cache (a first run compiles for up to ~1 min)…"
     if err.is_terminal:
@@ -126,7 +126,7 @@ def pull(
     force: Annotated[bool, typer.Option(help="Download again even if present.")] = False,
 ) -> None:
     """Download a registry model into $DETINFER_HOME/models and verify its sha256."""
-    from .registry import DEFAULT_MODEL, pull as do_pull
+    from .model.registry import DEFAULT_MODEL, pull as do_pull
 
     try:
         path = do_pull(name or DEFAULT_MODEL, force=force)
@@ -138,7 +138,7 @@ def pull(
 @app.command()
 def models() -> None:
     """List the registry and what is downloaded."""
-    from .registry import list_models
+    from .model.registry import list_models
 
     table = Table("name", "size", "present", "sha256", "description")
     for row in list_models():
@@ -152,10 +152,10 @@ def info(
     ctx: CtxOpt = 4096,
 ) -> None:
     """Show a model's config, tensor types, parameter count and KV cache size."""
-    from .config import ModelConfig
-    from .gguf_file import ModelFile
-    from .kvcache import KV_TYPES, kv_bytes_per_number
-    from .registry import resolve_model
+    from .model.config import ModelConfig
+    from .model.gguf_file import ModelFile
+    from .compute.kvcache import KV_TYPES, kv_bytes_per_number
+    from .model.registry import resolve_model
 
     try:
         mf = ModelFile(resolve_model(model))
@@ -191,7 +191,7 @@ _RECORDED_OPTIONS = {"prompt", "prompt_file", "messages", "chat", "chat_template
 
 def _constraint_option(json_schema: Path | None, json_object: bool, regex: str | None, grammar: Path | None):
     """The constraint of run's --json-schema / --json / --regex / --grammar (at most one), or None."""
-    from .constrain import Constraint
+    from .compute.constrain import Constraint
 
     given = [o for o, v in (("--json-schema", json_schema), ("--json", json_object or None), ("--regex", regex), ("--grammar", grammar))
              if v is not None]  # fmt: skip
@@ -216,9 +216,9 @@ def _run_batch(cli_ctx: typer.Context, batch: Path, out_dir: Optional[Path], res
                kv_type: str, threads: Optional[int], ray: Optional[str], actors: Optional[int]) -> None:
     """`run --batch`: every line of the JSONL file becomes --out-dir/<id>.json, written as it finishes; exit 2 if a
     line is bad input (the others still run)."""
-    from .batch import BAD_INPUT, BatchWriter, batch_failed, batch_task, read_batch
-    from .kvcache import parse_kv_type
-    from .registry import REGISTRY
+    from .integrations.batch import BAD_INPUT, BatchWriter, batch_failed, batch_task, read_batch
+    from .compute.kvcache import parse_kv_type
+    from .model.registry import REGISTRY
 
     try:
         given = _given(cli_ctx, (_RECORDED_OPTIONS - {"ctx", "kv_type"}) | {"manifest", "out_path", "chunk_size", "quiet"})
@@ -290,12 +290,12 @@ def run(
 ) -> None:
     """Generate text and record a run manifest; re-execute one with --manifest; or run a JSONL batch with --batch."""
     from .api import load, sampling_from
-    from .constrain import check_ignore_eos
-    from .chat import load_messages
-    from .engine import set_threads
-    from .kvcache import parse_kv_type
-    from .manifest import load_manifest, write_manifest
-    from .run import engine_for_manifest, reexecute
+    from .compute.constrain import check_ignore_eos
+    from .model.chat import load_messages
+    from .compute.engine import set_threads
+    from .compute.kvcache import parse_kv_type
+    from .records.manifest import load_manifest, write_manifest
+    from .records.run import engine_for_manifest, reexecute
 
     def stream(step) -> None:
         if not quiet and step.text:
@@ -389,11 +389,11 @@ def verify(
     from rich.progress import Progress
 
     from .api import verify as verify_paths
-    from .batch import verify_failed, verify_task
-    from .ci_report import github_annotations, write_junit
-    from .engine import set_threads
-    from .machine import describe, short
-    from .verify import BAD_INPUT, MATCH, collect, exit_code, to_json_lines
+    from .integrations.batch import verify_failed, verify_task
+    from .integrations.ci_report import github_annotations, write_junit
+    from .compute.engine import set_threads
+    from .records.machine import describe, short
+    from .records.verify import BAD_INPUT, MATCH, collect, exit_code, to_json_lines
 
     try:
         if ray is None:
@@ -453,8 +453,8 @@ def selftest(
     """Run every invariance of the determinism contract on this machine (exit 1 if one fails)."""
     import json as _json
 
-    from .engine import Engine
-    from .selftest import matrix, ok
+    from .compute.engine import Engine
+    from .records.selftest import matrix, ok
 
     try:
         engine = Engine.load(model, n_ctx=512)
@@ -508,11 +508,11 @@ def session_run(
     quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
 ) -> None:
     """Run a scripted multi-turn session and record it (written after every turn)."""
-    from .chat import ChatTemplate
-    from .engine import Engine, set_threads
-    from .kvcache import parse_kv_type
-    from .prefix_cache import PrefixCache
-    from .session import load_script, run_session
+    from .model.chat import ChatTemplate
+    from .compute.engine import Engine, set_threads
+    from .compute.kvcache import parse_kv_type
+    from .compute.prefix_cache import PrefixCache
+    from .records.session import load_script, run_session
 
     try:
         _check_outputs({"--out": out_path}, {"--kv-dir": kv_dir})
@@ -549,10 +549,10 @@ def replay(
     import json as _json
     from functools import partial
 
-    from .batch import BAD_INPUT, replay_failed, replay_task, run_local, session_files
-    from .engine import Engine, set_threads
-    from .prefix_cache import PrefixCache
-    from .session import load_script, load_session, run_session
+    from .integrations.batch import BAD_INPUT, replay_failed, replay_task, run_local, session_files
+    from .compute.engine import Engine, set_threads
+    from .compute.prefix_cache import PrefixCache
+    from .records.session import load_script, load_session, run_session
 
     warn = lambda msg: err.print(f"[yellow]warning:[/] {escape(msg)}")  # noqa: E731
     try:
@@ -621,10 +621,10 @@ def chat(
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n")] = 256,
 ) -> None:
     """Interactive multi-turn chat (empty line or EOF ends it); recorded turn by turn with --record."""
-    from .chat import ChatTemplate
-    from .engine import Engine, set_threads
-    from .kvcache import parse_kv_type
-    from .session import Conversation, TurnSampling, effective_sampling, new_record, run_turn, write_session
+    from .model.chat import ChatTemplate
+    from .compute.engine import Engine, set_threads
+    from .compute.kvcache import parse_kv_type
+    from .records.session import Conversation, TurnSampling, effective_sampling, new_record, run_turn, write_session
 
     try:
         _check_outputs({"--record": record_path})
@@ -655,7 +655,7 @@ def chat(
 def kv_inspect(path: Annotated[Path, typer.Argument(help=".detkv file")]) -> None:
     """Show a KV snapshot's header, model, tokens, sizes and checksum status."""
     from .errors import KVFileError
-    from .kvfile import inspect_kv
+    from .records.kvfile import inspect_kv
 
     try:
         info_ = inspect_kv(path)
@@ -690,9 +690,9 @@ def serve(
     read_timeout: Annotated[float, typer.Option("--read-timeout", min=0.1, help="Seconds a client has to send a request's headers, and then its body.")] = 10.0,
 ) -> None:
     """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
-    from . import listen
+    from .serve import listen
     from .api import load
-    from .server import ServerSettings, create_app
+    from .serve.server import ServerSettings, create_app
 
     try:
         _check_outputs({}, {"--record": record_dir})
@@ -750,8 +750,8 @@ def bench(
     idle machine."""
     if cli_ctx.invoked_subcommand is not None:
         return
-    from .bench import DEFAULT_MODELS, Options, parse_counts, parse_isas, run_suite
-    from .bench_report import display_name, figure_label
+    from .bench.suite import DEFAULT_MODELS, Options, parse_counts, parse_isas, run_suite
+    from .bench.report import display_name, figure_label
 
     try:
         opts = Options(models=tuple(models or (() if large_models else DEFAULT_MODELS)), large_models=tuple(large_models or ()),
@@ -784,10 +784,10 @@ def bench_kv(
     markdown: Annotated[Path, typer.Option("--markdown", help="Markdown regenerated from the results.")] = Path("docs/benchmarks.md"),
 ) -> None:
     """Greedy generation with the KV cache vs recomputing the whole sequence every token: same tokens, timed, plotted."""
-    from .bench import add_kv_curve
-    from .bench_kv import DEFAULT_TARGETS, check_kv_options, context_for, kv_curve, plot_kv
-    from .engine import Engine, set_threads
-    from .registry import DEFAULT_MODEL
+    from .bench.suite import add_kv_curve
+    from .bench.kv import DEFAULT_TARGETS, check_kv_options, context_for, kv_curve, plot_kv
+    from .compute.engine import Engine, set_threads
+    from .model.registry import DEFAULT_MODEL
 
     targets = tokens or list(DEFAULT_TARGETS)
     try:
@@ -818,8 +818,8 @@ def bench_constraint(
     runs: Annotated[int, typer.Option("--runs", help="Runs per arm, interleaved; the minimum of each is compared.")] = 5,
 ) -> None:
     """Decode time with a JSON-schema constraint (the allowed-token mask) vs without: same prompt, same token count."""
-    from .bench_constraint import OVERHEAD_LIMIT, bench_constraint as run_bench, check_options
-    from .engine import Engine, set_threads
+    from .bench.constraint import OVERHEAD_LIMIT, bench_constraint as run_bench, check_options
+    from .compute.engine import Engine, set_threads
 
     try:
         check_options(tokens, runs)

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 from detinfer.paths import detinfer_home
-from detinfer.registry import DEFAULT_MODEL, ensure_model
+from detinfer.model.registry import DEFAULT_MODEL, ensure_model
 
 # Tests that give the CLI an empty $DETINFER_HOME share one store of repacked weights (content-addressed, so
 # sharing it is safe) instead of writing 100-250 MB into every temporary home.
 os.environ.setdefault("DETINFER_WEIGHTS_CACHE", str(detinfer_home() / "weights"))
+
+# scripts/golden.py (the committed cases) is repo tooling, not part of the package: the tests import it from there.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 # llama.cpp's reference data lives in the repo (tests/data/llamacpp/README.md says how it was produced).
 REFERENCE_DIR = Path(__file__).resolve().parent / "data" / "llamacpp"

@@ -231,12 +231,12 @@ def gguf_fields(data: bytes) -> GGUFFields:
 
 def build_corpus(folder: Path) -> Corpus:
     """Write every valid input once (the tiny model, a manifest, a session, a .detkv) and read them back as bytes."""
-    from detinfer.engine import Engine
-    from detinfer.gguf_file import ModelFile
-    from detinfer.kvfile import save_kv
-    from detinfer.manifest import SamplingRecord, write_manifest
-    from detinfer.run import build_prompt, execute
-    from detinfer.session import ScriptTurn, TurnSampling, run_session, write_session
+    from detinfer.compute.engine import Engine
+    from detinfer.model.gguf_file import ModelFile
+    from detinfer.records.kvfile import save_kv
+    from detinfer.records.manifest import SamplingRecord, write_manifest
+    from detinfer.records.run import build_prompt, execute
+    from detinfer.records.session import ScriptTurn, TurnSampling, run_session, write_session
 
     folder.mkdir(parents=True, exist_ok=True)
     corpus = Corpus(folder)
@@ -355,8 +355,8 @@ def apply_gguf_ops(data: bytes, ops) -> bytes:
 
 def check_gguf(corpus: Corpus, case, path: Path) -> None:
     """Load the (mutated) model, build the engine and run a 2-token forward: must succeed or raise DetinferError."""
-    from detinfer.engine import Engine
-    from detinfer.gguf_file import ModelFile
+    from detinfer.compute.engine import Engine
+    from detinfer.model.gguf_file import ModelFile
 
     name, ops = case
     path.write_bytes(apply_gguf_ops(corpus.gguf[name], ops))
@@ -433,7 +433,7 @@ def reseal_manifest(data: dict) -> dict:
     """Recompute token and section hashes so the edit reaches schema validation instead of the tamper check."""
     import hashlib
 
-    from detinfer.manifest import CONTRACT_FIELDS, canonical_json, tokens_sha256
+    from detinfer.records.manifest import CONTRACT_FIELDS, canonical_json, tokens_sha256
 
     for sec in ("prompt", "output"):
         s = data.get(sec)
@@ -450,21 +450,21 @@ def reseal_manifest(data: dict) -> dict:
 
 
 def check_manifest(corpus: Corpus, case, path: Path) -> None:
-    from detinfer.manifest import load_manifest
+    from detinfer.records.manifest import load_manifest
 
     path.write_bytes(apply_json_ops(corpus.manifest, case, reseal_manifest))
     load_manifest(path)
 
 
 def check_session(corpus: Corpus, case, path: Path) -> None:
-    from detinfer.session import load_session
+    from detinfer.records.session import load_session
 
     path.write_bytes(apply_json_ops(corpus.session, case, None))
     load_session(path)
 
 
 def check_script(corpus: Corpus, case, path: Path) -> None:
-    from detinfer.session import load_script
+    from detinfer.records.session import load_script
 
     path.write_bytes(apply_json_ops(corpus.script, case, None))
     load_script(path)
@@ -488,7 +488,7 @@ def detkv_strategy(corpus: Corpus):
 
 
 def _detkv_header(data: bytes) -> tuple[dict, int]:
-    from detinfer.kvfile import PRELUDE
+    from detinfer.records.kvfile import PRELUDE
 
     _, _, n = PRELUDE.unpack_from(data, 0)
     return json.loads(data[PRELUDE.size : PRELUDE.size + n]), n
@@ -497,7 +497,7 @@ def _detkv_header(data: bytes) -> tuple[dict, int]:
 def apply_detkv_ops(data: bytes, case) -> bytes:
     import hashlib
 
-    from detinfer.kvfile import ALIGN, FORMAT_VERSION, MAGIC, PRELUDE
+    from detinfer.records.kvfile import ALIGN, FORMAT_VERSION, MAGIC, PRELUDE
 
     hedits, byte_ops, fix = case
     header, n = _detkv_header(data)
@@ -522,7 +522,7 @@ def apply_detkv_ops(data: bytes, case) -> bytes:
 
 
 def check_detkv(corpus: Corpus, case, path: Path) -> None:
-    from detinfer.kvfile import inspect_kv, load_kv
+    from detinfer.records.kvfile import inspect_kv, load_kv
 
     path.write_bytes(apply_detkv_ops(corpus.detkv, case))
     outcome = classify(lambda: inspect_kv(path))
@@ -562,7 +562,7 @@ def template_strategy():
 
 
 def check_template(corpus: Corpus, case, path: Path) -> None:
-    from detinfer.chat import ChatTemplate
+    from detinfer.model.chat import ChatTemplate
 
     source, messages, gen = case
     out = ChatTemplate(source).render(messages, add_generation_prompt=gen)
@@ -594,7 +594,7 @@ def _post(corpus: Corpus, url: str, body: bytes) -> None:
     if corpus._client is None:
         from fastapi.testclient import TestClient
 
-        from detinfer.server import ServerSettings, create_app
+        from detinfer.serve.server import ServerSettings, create_app
 
         corpus._client = TestClient(create_app(corpus.engine, ServerSettings(max_queue=4, threads=1, max_body_bytes=1 << 16)))
         corpus._client.__enter__()  # starts the decode worker (the app's lifespan); lives as long as the process
@@ -640,7 +640,7 @@ def template_loop_strategy():
 
 def check_template_loop(corpus: Corpus, case, path: Path) -> None:
     """Render: a result or a TemplateError, and in either case within the CPU budget (plus slack): never a hang."""
-    from detinfer.chat import MAX_RENDER_CPU_S, ChatTemplate
+    from detinfer.model.chat import MAX_RENDER_CPU_S, ChatTemplate
 
     source, message, count = case
     t0 = time.thread_time()
@@ -672,9 +672,9 @@ def _base_json(corpus: Corpus, kind: str) -> Any:
 def check_deep_json(corpus: Corpus, case, path: Path) -> None:
     """Load the JSON with one value replaced by the hostile text: a result or a one-line DetinferError (a 4xx for
     the server), never a RecursionError / ValueError traceback or a 500."""
-    from detinfer.chat import load_messages
-    from detinfer.manifest import load_manifest
-    from detinfer.session import load_script, load_session
+    from detinfer.model.chat import load_messages
+    from detinfer.records.manifest import load_manifest
+    from detinfer.records.session import load_script, load_session
 
     kind, hostile, pick = case
     base = _base_json(corpus, kind)
@@ -749,12 +749,12 @@ def _special_path(folder: Path, kind: str, data: bytes) -> Path:
 def check_special_file(corpus: Corpus, case, folder: Path) -> None:
     """Read or write the path: a result or a one-line DetinferError at once (the worker's watchdog counts a hang),
     and a path that is not a regular file is never replaced by a write."""
-    from detinfer.chat import ChatTemplate, load_messages
+    from detinfer.model.chat import ChatTemplate, load_messages
     from detinfer.fileio import atomic_write_text, check_output, check_output_dir, read_input_text
     from detinfer.errors import InputError
-    from detinfer.kvfile import inspect_kv, load_kv
-    from detinfer.manifest import load_manifest
-    from detinfer.session import load_script, load_session
+    from detinfer.records.kvfile import inspect_kv, load_kv
+    from detinfer.records.manifest import load_manifest
+    from detinfer.records.session import load_script, load_session
 
     kind, op, data = case
     path = _special_path(folder, kind, data)

@@ -2,7 +2,7 @@
 
 It shares nothing with the engine but the file reader: weights are dequantized by gguf-py
 (``gguf.quants.dequantize``), hyperparameters are read straight from the ``{arch}.*`` metadata keys, the
-per-architecture facts are written out again below (not imported from detinfer.arch), and the whole sequence
+per-architecture facts are written out again below (not imported from detinfer.model.arch), and the whole sequence
 is run at once with a full attention mask (no KV cache, no chunking, no quantized activations). Only use it
 in tests.
 
@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf.quants import dequantize
 
-from detinfer.gguf_file import ModelFile
+from detinfer.model.gguf_file import ModelFile
 
 
 NEOX_ARCHS = ("qwen2", "qwen3", "gemma3")  # llama.cpp llama_model_rope_type: LLAMA_ROPE_TYPE_NEOX

@@ -11,12 +11,12 @@ import pytest
 from gguf import GGUFValueType
 from gguf_factory import write_tiny_gguf
 
-from detinfer import kernels
-from detinfer.arch import ARCHITECTURES
-from detinfer.config import ModelConfig
+from detinfer.compute import kernels
+from detinfer.model.arch import ARCHITECTURES
+from detinfer.model.config import ModelConfig
 from detinfer.errors import ConfigError
-from detinfer.gguf_file import ModelFile
-from detinfer.weights import Weights
+from detinfer.model.gguf_file import ModelFile
+from detinfer.model.weights import Weights
 
 U = 2.0**-24  # float32 unit roundoff
 

@@ -15,8 +15,8 @@ import pytest
 from gguf_factory import CHATML, TinyConfig, layout, write_tiny_gguf
 from cli_helpers import cli
 
-from detinfer.kvcache import KV_QUANT_REASON, QUANTIZED_KV_TYPES
-from detinfer.manifest import SCHEMA_VERSION, RunManifest, write_manifest
+from detinfer.compute.kvcache import KV_QUANT_REASON, QUANTIZED_KV_TYPES
+from detinfer.records.manifest import SCHEMA_VERSION, RunManifest, write_manifest
 
 
 
@@ -185,7 +185,7 @@ def test_ctx_above_model_context(home: Path, model_path: Path, tmp_path: Path):
 
 def test_ctx_beyond_available_memory(home: Path, tmp_path: Path):
     """A context whose KV cache cannot fit in memory fails before anything is allocated, naming size and fix."""
-    from detinfer.kvcache import available_memory
+    from detinfer.compute.kvcache import available_memory
 
     n_ctx = 1 << 31  # tiny model: 2 layers x 2 x kv_width 32 x 4 bytes = 512 bytes per position -> 1 TiB
     assert available_memory() < 512 * n_ctx

@@ -17,10 +17,10 @@ import pytest
 from cli_helpers import cli
 from gguf_factory import write_tiny_gguf
 
-from detinfer import bench, bench_kv, bench_report
-from detinfer.bench_bandwidth import measure_bandwidth
-from detinfer.bench_kv import context_for, first_mismatch, kv_curve, plot_kv, separation_step, target_totals
-from detinfer.bench_report import (
+from detinfer.bench import suite as bench, kv as bench_kv, report as bench_report
+from detinfer.bench.bandwidth import measure_bandwidth
+from detinfer.bench.kv import context_for, first_mismatch, kv_curve, plot_kv, separation_step, target_totals
+from detinfer.bench.report import (
     BandwidthRun,
     BenchReport,
     EngineRun,
@@ -32,9 +32,9 @@ from detinfer.bench_report import (
     ThreadRun,
     stats,
 )
-from detinfer.engine import PROGRESS_MARK, Engine
+from detinfer.compute.engine import PROGRESS_MARK, Engine
 from detinfer.errors import InputError
-from detinfer.gguf_file import ModelFile
+from detinfer.model.gguf_file import ModelFile
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))  # bench/synth_model.py is a script next to bench/kernels.py, which it imports
@@ -113,7 +113,7 @@ def test_numba_haswell_target_compiles_without_avx512():
     """The avx2 workers' environment really turns AVX-512 off (a bare NUMBA_CPU_NAME=haswell keeps the host's
     features, AVX-512 included, on an AVX-512 host), and keeps FMA."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")} | bench.ISA_ENV["avx2"]
-    code = "from detinfer.bench import compiled_isa; print(compiled_isa())"
+    code = "from detinfer.bench.suite import compiled_isa; print(compiled_isa())"
     flags = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert "numba target haswell features=''" in flags and "FMA yes" in flags and "AVX-512 no" in flags, flags
 

@@ -17,7 +17,7 @@ import pytest
 from gguf_factory import CHATML, write_tiny_gguf
 from cli_helpers import cli
 
-from detinfer.manifest import SCHEMA_VERSION, load_manifest, tokens_sha256, write_manifest
+from detinfer.records.manifest import SCHEMA_VERSION, load_manifest, tokens_sha256, write_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "The capital of France is"

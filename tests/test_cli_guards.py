@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from cli_helpers import cli
 
-from detinfer.engine import Engine
-from detinfer.kvfile import save_kv
+from detinfer.compute.engine import Engine
+from detinfer.records.kvfile import save_kv
 
 
 @pytest.fixture(scope="module")

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 
 from cli_helpers import cli
-from detinfer.constrain import MAX_CONSTRAINT_BYTES, Constraint, Guide, json_schema_constraint, tool_call_constraint
-from detinfer.engine import Engine, set_threads
+from detinfer.compute.constrain import MAX_CONSTRAINT_BYTES, Constraint, Guide, json_schema_constraint, tool_call_constraint
+from detinfer.compute.engine import Engine, set_threads
 from detinfer.errors import ConstraintError, InputError, ManifestError
-from detinfer.generate import GenerationResult, generate
-from detinfer.manifest import SCHEMA_VERSION, canonical_json, load_manifest
-from detinfer.run import build_prompt, execute, reexecute, sampling_record
-from detinfer.sampler import SamplingParams
-from detinfer.session import ScriptTurn, TurnSampling, load_session, replay_turns, run_session
+from detinfer.compute.generate import GenerationResult, generate
+from detinfer.records.manifest import SCHEMA_VERSION, canonical_json, load_manifest
+from detinfer.records.run import build_prompt, execute, reexecute, sampling_record
+from detinfer.compute.sampler import SamplingParams
+from detinfer.records.session import ScriptTurn, TurnSampling, load_session, replay_turns, run_session
 
 PERSON = "Describe a person as JSON."
 SCHEMAS = {
@@ -258,7 +258,7 @@ def test_session_script_bad_constraint_fails_before_any_turn(engine, tmp_path):
 
 
 def test_bench_constraint_arms_decode_the_same_token_count(engine):
-    from detinfer.bench_constraint import bench_constraint
+    from detinfer.bench.constraint import bench_constraint
 
     b = bench_constraint(engine, tokens=6, runs=1)
     assert len(b.free_s) == len(b.constrained_s) == 1 and min(b.free_s) > 0 and min(b.constrained_s) > 0

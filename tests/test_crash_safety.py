@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 import fuzz
-from detinfer.kvfile import load_kv
-from detinfer.manifest import load_manifest
-from detinfer.session import load_session
-from detinfer.verify import collect
+from detinfer.records.kvfile import load_kv
+from detinfer.records.manifest import load_manifest
+from detinfer.records.session import load_session
+from detinfer.records.verify import collect
 
 REPO = Path(__file__).resolve().parents[1]
 TRIALS = 12
@@ -30,9 +30,9 @@ TRIALS = 12
 WRITER = r"""
 import sys
 from pathlib import Path
-from detinfer.kvfile import load_kv, save_kv
-from detinfer.manifest import load_manifest, write_manifest
-from detinfer.session import load_session, write_session
+from detinfer.records.kvfile import load_kv, save_kv
+from detinfer.records.manifest import load_manifest, write_manifest
+from detinfer.records.session import load_session, write_session
 
 src, dst = Path(sys.argv[1]), Path(sys.argv[2])
 manifest = load_manifest(src / "run.json")

@@ -16,9 +16,9 @@ import pytest
 
 from gguf_factory import write_tiny_gguf
 
-from detinfer.engine import Engine
-from detinfer.prefix_cache import PrefixCache, prefill_with_reuse
-from detinfer.selftest import DEFAULT_TEXT, fingerprint
+from detinfer.compute.engine import Engine
+from detinfer.compute.prefix_cache import PrefixCache, prefill_with_reuse
+from detinfer.records.selftest import DEFAULT_TEXT, fingerprint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = {"smollm2": "model_path", "gemma3": "gemma_path", "tiny-gemma3": "tiny_gemma_path"}
@@ -128,7 +128,7 @@ def _probe(model_path, *, threads: int, extra_env: dict | None = None) -> dict:
     env = dict(os.environ, **(extra_env or {}))
     env["NUMBA_NUM_THREADS"] = str(max(threads, 2))
     proc = subprocess.run(
-        [sys.executable, "-m", "detinfer.selftest", "--model", str(model_path), "--threads", str(threads)],
+        [sys.executable, "-m", "detinfer.records.selftest", "--model", str(model_path), "--threads", str(threads)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]

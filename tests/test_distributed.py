@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from detinfer.batch import (BAD_INPUT, WRITTEN, BatchWriter, WorkerState, batch_failed, batch_task, fan_out, read_batch,
+from detinfer.integrations.batch import (BAD_INPUT, WRITTEN, BatchWriter, WorkerState, batch_failed, batch_task, read_batch,
                             verify_task)
 from detinfer.cli import _bare_ray
-from detinfer.distributed import check_address, run_on_ray
+from detinfer.integrations.distributed import check_address, fan_out, run_on_ray
 from detinfer.errors import InputError
-from detinfer.session import ScriptTurn, TurnSampling, run_session
-from detinfer.verify import MATCH, verify_file
+from detinfer.records.session import ScriptTurn, TurnSampling, run_session
+from detinfer.records.verify import MATCH, verify_file
 
 ROOT = Path(__file__).resolve().parent.parent
 LINES = [  # short runs: plain, chat, seeded sampling, messages with a stop string, an f32 greedy list
@@ -168,7 +168,7 @@ def test_verify_with_ray_gives_the_same_json_and_exit_code_and_a_bad_file_is_bad
 
 
 def test_replay_with_ray_matches_replay_without(cluster, tmp_path):
-    from detinfer.engine import Engine
+    from detinfer.compute.engine import Engine
 
     engine = Engine.load(None, n_ctx=512)
     for name, text in (("a", "What is 2 + 3?"), ("b", "Name a fruit.")):
@@ -187,7 +187,7 @@ def test_replay_with_ray_matches_replay_without(cluster, tmp_path):
 
 
 def test_ctrl_c_keeps_written_results_and_resume_finishes_the_batch(cluster, reference, tmp_path):
-    from detinfer.manifest import load_manifest
+    from detinfer.records.manifest import load_manifest
 
     # long items first (96 tokens each: without ignore_eos the model ends them after one), so the run is still busy
     # when it is interrupted, however fast the workers start
@@ -275,8 +275,8 @@ def test_progress_on_a_terminal_is_a_bar_and_in_a_log_plain_lines():
 
     from rich.console import Console
 
-    from detinfer.batch import ItemProgress
-    from detinfer.verify import VerifyResult
+    from detinfer.integrations.batch import ItemProgress
+    from detinfer.records.verify import VerifyResult
 
     results = [VerifyResult("a.json", MATCH, steps=10), VerifyResult("b.json", "mismatch", steps=5)]
     for terminal in (True, False):

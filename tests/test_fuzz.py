@@ -21,8 +21,8 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 
 import fuzz  # noqa: E402
-from detinfer import chat  # noqa: E402
-from detinfer.chat import MAX_RENDER_CHARS, ChatTemplate  # noqa: E402
+from detinfer.model import chat  # noqa: E402
+from detinfer.model.chat import MAX_RENDER_CHARS, ChatTemplate  # noqa: E402
 from detinfer.errors import TemplateError  # noqa: E402
 
 EXAMPLES = {"gguf": 250, "manifest": 300, "session": 300, "script": 300, "detkv": 300, "template": 300, "http": 200,
@@ -141,10 +141,10 @@ def test_forward_and_generation_under_numba_boundscheck(tmp_path: Path) -> None:
 import sys
 sys.path.insert(0, {str(REPO / 'tests')!r})
 from gguf_factory import CHATML, write_tiny_gguf
-from detinfer.engine import Engine
-from detinfer.generate import generate
-from detinfer.gguf_file import ModelFile
-from detinfer.sampler import SamplingParams
+from detinfer.compute.engine import Engine
+from detinfer.compute.generate import generate
+from detinfer.model.gguf_file import ModelFile
+from detinfer.compute.sampler import SamplingParams
 path = write_tiny_gguf({str(tmp_path / 'tiny.gguf')!r}, chat_template=CHATML, matrix_type=sys.argv[1])
 engine = Engine(ModelFile(path, use_index=False), n_ctx=16)
 prompt = engine.tokenizer.encode("hi there, the cat")

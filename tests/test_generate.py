@@ -13,11 +13,11 @@ import numba
 import numpy as np
 import pytest
 
-from detinfer.engine import Engine
+from detinfer.compute.engine import Engine
 from detinfer.errors import InputError
-from detinfer.generate import DIGEST_SEED, GenerationResult, Step, chain_digest, generate
-from detinfer.run import build_prompt
-from detinfer.sampler import SamplingParams, sample, top_logits
+from detinfer.compute.generate import DIGEST_SEED, GenerationResult, Step, chain_digest, generate
+from detinfer.records.run import build_prompt
+from detinfer.compute.sampler import SamplingParams, sample, top_logits
 
 GREEDY = SamplingParams.create()
 SAMPLED = SamplingParams.create(temperature=0.9, top_k=40, top_p=0.95, repetition_penalty=1.1, seed=1234)

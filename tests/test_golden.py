@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from detinfer.golden import CASES, GEMMA3, run_case
-from detinfer.snapshot import TokenStreamExtension
+from golden import CASES, GEMMA3, run_case
+from detinfer.integrations.snapshot import TokenStreamExtension
 
 GOLDEN_DIR = Path(__file__).resolve().parent.parent / "golden"
 

@@ -25,11 +25,14 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 
-from detinfer import kernels, weights
-from detinfer.gguf_file import SUPPORTED_TYPES, ModelFile
-from detinfer.numerics import fma32
-from detinfer.quants import F16_TO_F32
-from detinfer.weights import QMatrix
+from detinfer.compute import kernels
+
+from detinfer.model import weights
+from detinfer.compute.linear import Activations, matmul
+from detinfer.model.gguf_file import SUPPORTED_TYPES, ModelFile
+from detinfer.compute.numerics import fma32
+from detinfer.model.quants import F16_TO_F32
+from detinfer.model.weights import QMatrix
 
 from gguf_factory import write_tiny_gguf
 from test_quants import BLOCK_DTYPES, K_QUANTS
@@ -229,17 +232,17 @@ def magnitude(qtype: Q, raw: np.ndarray, n_in: int, x: np.ndarray) -> np.ndarray
 
 
 def run_matmul(mat: QMatrix, x: np.ndarray) -> np.ndarray:
-    """out[T, n_out] through QMatrix.__call__, as the engine calls it: the activation codes in views into wider
+    """out[T, n_out] through linear.matmul, as the engine calls it: the activation codes in views into wider
     buffers, out pre-filled with NaN so an unwritten element shows."""
     T, n_in = x.shape
     nb = n_in // QK
-    acts = weights.Activations(
+    acts = Activations(
         np.full((T, n_in + 64), 99, np.int8)[:, :n_in], np.full((T, nb + 7), np.nan, np.float32)[:, :nb],
         np.full((T, 2 * nb + 7), 99, np.int32)[:, : 2 * nb],
     )  # fmt: skip
     kernels.quantize_blocks(x, *acts)
     out = np.full((T, mat.n_out), np.nan, np.float32)
-    mat(x, acts, out)
+    matmul(mat, x, acts, out)
     return out
 
 
@@ -396,13 +399,14 @@ F16_EDGES = np.array([0x0000, 0x8000, 0x0001, 0x8001, 0x03FF, 0x83FF, 0x0400, 0x
 _MATMUL_CASE = """
 import sys
 import numpy as np
-from detinfer import jit
-from detinfer.weights import Activations, QMatrix
+from detinfer.compute import jit
+from detinfer.compute.linear import Activations, matmul
+from detinfer.model.weights import QMatrix
 from gguf import GGMLQuantizationType
 f = np.load(sys.argv[1])
 mat = QMatrix.from_raw("w", GGMLQuantizationType(int(f["qtype"])), f["raw"], f["x"].shape[1])
 out = np.empty((f["x"].shape[0], mat.n_out), np.float32)
-mat(f["x"], Activations.of(f["x"]), out)
+matmul(mat, f["x"], Activations.of(f["x"]), out)
 np.save(sys.argv[2], out)
 print(jit.int_dot_tier())
 """
@@ -536,7 +540,7 @@ def test_quantize_blocks_follows_its_definition_and_reconstructs_x():
     x[2, 32:64] *= 1e-30  # tiny values: still 127 steps of the block's own scale
     x[3, 0] = np.inf  # non-finite blocks: codes 0, scale NaN (NaN outputs, as float arithmetic would give)
     x[4, 40] = np.nan
-    a = weights.Activations.of(x)
+    a = Activations.of(x)
     xq, dx, sx = quantize_ref(x)
     assert_bytes_equal(a.dx, dx, "block scales vs their definition")
     assert np.array_equal(a.xq, xq) and np.array_equal(a.sx, sx), "codes or half sums differ from the definition"
@@ -809,9 +813,9 @@ _COMPILES = """
 import json, sys
 import numpy as np
 from numba.core.registry import CPUDispatcher
-from detinfer import kernels
-from detinfer.engine import Engine
-from detinfer.weights import Activations
+from detinfer.compute import kernels
+from detinfer.compute.engine import Engine
+from detinfer.compute.linear import Activations, matmul
 
 def signatures():
     return {n: len(f.signatures) for n, f in vars(kernels).items() if isinstance(f, CPUDispatcher) and f.signatures}
@@ -829,7 +833,7 @@ wide = Activations.empty(2, 2 * m.n_in)
 x = np.ones((2, m.n_in), np.float32)
 view = Activations(wide.xq[:, : m.n_in], wide.dx[:, : m.n_in // kernels.QK], wide.sx[:, : m.n_in // 16])
 kernels.quantize_blocks(x, *view)
-m(x, view, np.empty((2, m.n_out), np.float32))
+matmul(m, x, view, np.empty((2, m.n_out), np.float32))
 found["control"] = signatures()
 print(json.dumps(found))
 """

@@ -14,12 +14,12 @@ import struct
 import numpy as np
 import pytest
 
-from detinfer import kvfile
-from detinfer.engine import Engine
+from detinfer.records import kvfile
+from detinfer.compute.engine import Engine
 from detinfer.errors import InputError, KVFileError
-from detinfer.kvcache import KVCache, KVSnapshot
-from detinfer.kvfile import inspect_kv, load_kv, save_kv
-from detinfer.prefix_cache import PrefixCache, prefill_with_reuse
+from detinfer.compute.kvcache import KVCache, KVSnapshot
+from detinfer.records.kvfile import inspect_kv, load_kv, save_kv
+from detinfer.compute.prefix_cache import PrefixCache, prefill_with_reuse
 
 OTHER_SHA = "0" * 64
 TEXT = "The quick brown fox jumps over the lazy dog."

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from reference_forward import reference_logits
 
-from detinfer.engine import Engine
-from detinfer.gguf_file import ModelFile
+from detinfer.compute.engine import Engine
+from detinfer.model.gguf_file import ModelFile
 
 PROMPTS = ("capital", "story", "chat")
 MIN_AGREEMENT = 0.90

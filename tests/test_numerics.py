@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from numba import njit
 
-from detinfer.kernels import rope_table
-from detinfer.numerics import exp32, log32, sincos64
+from detinfer.compute.kernels import rope_table
+from detinfer.compute.numerics import exp32, log32, sincos64
 
 
 @njit(cache=True)

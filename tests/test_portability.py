@@ -38,7 +38,7 @@ def test_int_dot_tier_needs_positive_evidence(monkeypatch, cpu, features, tier):
     crash, not a wrong byte): the tier follows numba's CPU_NAME / CPU_FEATURES, conservatively."""
     from numba.core import config
 
-    from detinfer import jit
+    from detinfer.compute import jit
 
     monkeypatch.setattr(config, "CPU_NAME", cpu)
     monkeypatch.setattr(config, "CPU_FEATURES", features)

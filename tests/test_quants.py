@@ -8,8 +8,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from detinfer.gguf_file import SUPPORTED_TYPES, ModelFile
-from detinfer.quants import (
+from detinfer.model.gguf_file import SUPPORTED_TYPES, ModelFile
+from detinfer.model.quants import (
     F16_TO_F32,
     dequantize,
     dequantize_row,

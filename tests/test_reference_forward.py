@@ -32,9 +32,9 @@ from gguf.quants import dequantize
 from gguf_factory import write_tiny_gguf
 from reference_forward import _rope, reference_logits
 
-from detinfer.engine import Engine
-from detinfer.gguf_file import ModelFile
-from detinfer.weights import Projection, QMatrix
+from detinfer.compute.engine import Engine
+from detinfer.model.gguf_file import ModelFile
+from detinfer.model.weights import Projection, QMatrix
 
 REL_TOL = 1e-4  # max |engine - reference| allowed, as a fraction of max |reference logit|
 Q8_REL_TOL = 0.25  # the same for the real engine (8-bit activation codes) against the float64 reference

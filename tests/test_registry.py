@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from detinfer import registry
+from detinfer.model import registry
 from detinfer.errors import DetinferError, GGUFError, InputError, PullError
-from detinfer.registry import (
+from detinfer.model.registry import (
     DEFAULT_MODEL,
     REGISTRY,
     ModelEntry,

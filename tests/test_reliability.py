@@ -28,15 +28,15 @@ from cli_helpers import cli
 from fastapi.testclient import TestClient
 from gguf_factory import CHATML, write_tiny_gguf
 
-from detinfer import chat
-from detinfer.chat import MAX_RENDER_BYTES, MAX_RENDER_CHARS, ChatTemplate
-from detinfer.engine import Engine
+from detinfer.model import chat
+from detinfer.model.chat import MAX_RENDER_BYTES, MAX_RENDER_CHARS, ChatTemplate
+from detinfer.compute.engine import Engine
 from detinfer.errors import ManifestError, TemplateError
-from detinfer.gguf_file import HEADER_KEY_BYTES, INDEX_VERSION, ModelFile
-from detinfer.kvfile import load_kv, save_kv
-from detinfer.manifest import RunManifest, tokens_sha256, write_manifest
-from detinfer.server import ServerSettings, create_app
-from detinfer.session import load_session
+from detinfer.model.gguf_file import HEADER_KEY_BYTES, INDEX_VERSION, ModelFile
+from detinfer.records.kvfile import load_kv, save_kv
+from detinfer.records.manifest import RunManifest, tokens_sha256, write_manifest
+from detinfer.serve.server import ServerSettings, create_app
+from detinfer.records.session import load_session
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -432,7 +432,7 @@ def test_output_folders_and_listen_address_are_checked(home: Path, tiny_chat: Pa
 
 
 def test_pull_removes_leftovers_of_killed_pulls(tmp_path: Path, monkeypatch):
-    from detinfer.registry import ModelEntry, pull_entry
+    from detinfer.model.registry import ModelEntry, pull_entry
 
     monkeypatch.setenv("DETINFER_HOME", str(tmp_path))
     data = b"GGUF" + bytes(100)

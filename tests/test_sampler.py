@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from detinfer.errors import InputError
-from detinfer.sampler import (
+from detinfer.compute.sampler import (
     SamplingParams,
     _penalized,
     _prepare,

@@ -22,10 +22,10 @@ import pytest
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from detinfer.engine import Engine, set_threads  # noqa: E402
-from detinfer.sampler import log_softmax_at, top_logits  # noqa: E402
-from detinfer.server import ServerSettings, create_app  # noqa: E402
-from detinfer.session import load_session, replay_turns  # noqa: E402
+from detinfer.compute.engine import Engine, set_threads  # noqa: E402
+from detinfer.compute.sampler import log_softmax_at, top_logits  # noqa: E402
+from detinfer.serve.server import ServerSettings, create_app  # noqa: E402
+from detinfer.records.session import load_session, replay_turns  # noqa: E402
 
 KEY = "test-key-123"
 SYSTEM = "You are a terse assistant."
@@ -451,9 +451,9 @@ def test_clients_that_never_read_are_dropped(engine, tmp_path):
 def test_chat_template_option_for_a_model_without_one(gemma_path, tmp_path):
     """Gemma 3 has no chat template: chat requests are a 400 naming --chat-template, unless the server was started
     with one; then the reply equals `detinfer run` with the same template, and the recording keeps it for replay."""
-    from detinfer.chat import ChatTemplate
-    from detinfer.run import build_prompt, execute, sampling_record
-    from detinfer.sampler import SamplingParams
+    from detinfer.model.chat import ChatTemplate
+    from detinfer.records.run import build_prompt, execute, sampling_record
+    from detinfer.compute.sampler import SamplingParams
 
     engine = Engine.load(gemma_path, n_ctx=256)
     messages = [{"role": "user", "content": "What is 2 + 2?"}]

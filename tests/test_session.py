@@ -14,10 +14,10 @@ import pytest
 from typer.testing import CliRunner
 
 from detinfer.cli import app
-from detinfer.engine import Engine, set_threads
-from detinfer.machine import machine
-from detinfer.numerics import NUMERICS
-from detinfer.session import SessionRecord, load_session, replay_turns
+from detinfer.compute.engine import Engine, set_threads
+from detinfer.records.machine import machine
+from detinfer.compute.numerics import NUMERICS
+from detinfer.records.session import SessionRecord, load_session, replay_turns
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "data" / "agent20.json"

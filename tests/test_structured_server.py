@@ -16,14 +16,14 @@ openai = pytest.importorskip("openai")
 
 from test_server import _Running  # noqa: E402
 
-from detinfer.chat import ChatTemplate  # noqa: E402
-from detinfer.constrain import json_schema_constraint  # noqa: E402
-from detinfer.engine import Engine, set_threads  # noqa: E402
-from detinfer.generate import GenerationResult, generate  # noqa: E402
-from detinfer.manifest import tokens_sha256  # noqa: E402
-from detinfer.sampler import SamplingParams  # noqa: E402
-from detinfer.server import ChatRequest, ServerSettings, create_app  # noqa: E402
-from detinfer.session import load_session, replay_turns  # noqa: E402
+from detinfer.model.chat import ChatTemplate  # noqa: E402
+from detinfer.compute.constrain import json_schema_constraint  # noqa: E402
+from detinfer.compute.engine import Engine, set_threads  # noqa: E402
+from detinfer.compute.generate import GenerationResult, generate  # noqa: E402
+from detinfer.records.manifest import tokens_sha256  # noqa: E402
+from detinfer.compute.sampler import SamplingParams  # noqa: E402
+from detinfer.serve.server import ChatRequest, ServerSettings, create_app  # noqa: E402
+from detinfer.records.session import load_session, replay_turns  # noqa: E402
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                            "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]}},

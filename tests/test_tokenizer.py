@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from detinfer.errors import TokenizerError
-from detinfer.gguf_file import ModelFile
-from detinfer.registry import ensure_model
-from detinfer.tokenizer import StreamDecoder, Tokenizer, _gpt2_bytes_to_unicode
+from detinfer.model.gguf_file import ModelFile
+from detinfer.model.registry import ensure_model
+from detinfer.model.tokenizer import StreamDecoder, Tokenizer, _gpt2_bytes_to_unicode
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,10 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from detinfer.ci_report import cache_key, cpu_level, github_annotations, junit_xml
-from detinfer.snapshot import TokenStreamExtension
-from detinfer.tokenstream import divergence_report
-from detinfer.verify import BAD_INPUT, MATCH, MISMATCH, Divergence, VerifyResult
+from detinfer.integrations.ci_report import cache_key, cpu_level, github_annotations, junit_xml
+from detinfer.integrations.snapshot import TokenStreamExtension
+from detinfer.records.tokenstream import divergence_report
+from detinfer.records.verify import BAD_INPUT, MATCH, MISMATCH, Divergence, VerifyResult
 
 RUN = {"model_sha256": "ab" * 32, "settings": {"seed": 1, "n_ctx": 64}, "prompt_token_ids": [1, 2, 3],
        "output_token_ids": [5, 6, 7], "output_text": "xyz", "stop_reason": "eos"}

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from detinfer.chat import ChatTemplate
-from detinfer.tool_calls import FORMATS, Reply, StreamSplitter, format_for_template
+from detinfer.model.chat import ChatTemplate
+from detinfer.serve.tool_calls import FORMATS, Reply, StreamSplitter, format_for_template
 
 ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}
 TOOLS = {"add": None, "multiply": None}

@@ -18,19 +18,19 @@ import numba
 import pytest
 from typer.testing import CliRunner
 
-import detinfer.golden
+import golden
 from detinfer.cli import app
-from detinfer.engine import Engine, set_threads
-from detinfer.golden import Case, run_case, write_manifests
-from detinfer.tokenstream import run_stream, stream_json
-from detinfer.kvcache import KV_QUANT_REASON
-from detinfer.machine import describe, machine
-from detinfer.numerics import NUMERICS
-from detinfer.manifest import SCHEMA_VERSION, RunManifest, load_manifest, tokens_sha256, write_manifest
-from detinfer.run import build_prompt, excerpts, execute, sampling_record
-from detinfer.sampler import SamplingParams
-from detinfer.selftest import matrix, probe_process
-from detinfer.verify import MATCH, verify as verify_paths
+from detinfer.compute.engine import Engine, set_threads
+from golden import Case, run_case, write_manifests
+from detinfer.records.tokenstream import run_stream, stream_json
+from detinfer.compute.kvcache import KV_QUANT_REASON
+from detinfer.records.machine import describe, machine
+from detinfer.compute.numerics import NUMERICS
+from detinfer.records.manifest import SCHEMA_VERSION, RunManifest, load_manifest, tokens_sha256, write_manifest
+from detinfer.records.run import build_prompt, excerpts, execute, sampling_record
+from detinfer.compute.sampler import SamplingParams
+from detinfer.records.selftest import matrix, probe_process
+from detinfer.records.verify import MATCH, verify as verify_paths
 
 PROMPT = "The capital of France is"
 GREEDY_IDS = [7042, 30, 198, 198, 504, 2988, 314, 42]  # " Paris.\n\nThe answer is:"
@@ -408,9 +408,9 @@ def test_golden_record_with_bad_settings_is_bad_input(home: Path, model_path: Pa
 def test_regenerating_manifests_is_a_no_op(model_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     # all nine cases twice take ~90 s here (long_prompt alone is 1,616 tokens): three cover both KV types,
     # chat + seeded sampling and a stop string
-    cases = [c for c in detinfer.golden.CASES if c.name in ("seeded_sampling", "stop_string", "f16_kv")]
+    cases = [c for c in golden.CASES if c.name in ("seeded_sampling", "stop_string", "f16_kv")]
     assert len(cases) == 3
-    monkeypatch.setattr(detinfer.golden, "CASES", tuple(cases))
+    monkeypatch.setattr(golden, "CASES", tuple(cases))
     model = str(model_path)
     first = write_manifests(tmp_path, model=model)
     assert [(Path(p).name, s) for p, s in first] == [(f"{c.name}.json", "written") for c in cases]

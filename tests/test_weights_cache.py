@@ -13,12 +13,12 @@ import numba
 import numpy as np
 import pytest
 
-from detinfer import weights_cache
-from detinfer.config import ModelConfig
-from detinfer.engine import Engine
-from detinfer.gguf_file import ModelFile
-from detinfer.tokenizer import Tokenizer
-from detinfer.weights import Weights, layout_key
+from detinfer.model import weights_cache
+from detinfer.model.config import ModelConfig
+from detinfer.compute.engine import Engine
+from detinfer.model.gguf_file import ModelFile
+from detinfer.model.tokenizer import Tokenizer
+from detinfer.model.weights import Weights, layout_key
 from gguf_factory import write_tiny_gguf
 
 

@@ -1,0 +1,257 @@
+"""Constrained decoding: a grammar masks the logits before each sampled token, so the output always parses.
+
+A :class:`Constraint` (a JSON Schema, any JSON object, a regex or a Lark grammar, with its full text and sha256)
+compiles with llguidance (the structured-generation library of llama.cpp, vLLM and SGLang) against the model's
+vocabulary into a :class:`Guide`. Before each sampled token the guide's allowed-token mask sets every disallowed
+logit to -inf; the sampler then applies its documented rules unchanged (greedy ties to the lowest id, top-p, the
+seeded draw), and the chosen token is fed back to the matcher. The end-of-generation tokens are allowed exactly
+when the grammar accepts, so a constrained generation ends with one of them (when the grammar can go no further
+it is the only token left) — or at max_tokens / the end of the context, like any other.
+
+The mask at a step is a pure function of (grammar, tokens generated so far): llguidance keeps no clocks or
+randomness, only deterministic work limits. Replaying the same constraint therefore rebuilds the same masks;
+each step's mask is hashed into a chain (:func:`mask_digest`) recorded beside the raw-logits digests.
+
+llguidance's token trie is built from detinfer's own token bytes (``Tokenizer.token_bytes``, llama.cpp's
+``token_to_piece``), the route llguidance's llama.cpp binding takes, with control tokens marked special so that no
+grammar can spell them out of text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import re
+import threading
+from pathlib import Path
+from typing import Any, Literal
+
+import llguidance
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..errors import ConstraintError, ManifestError
+from ..model.tokenizer import Tokenizer
+
+KINDS = ("json_schema", "json_object", "regex", "lark")
+MAX_CONSTRAINT_BYTES = 64 * 1024  # UTF-8 bytes of a constraint's text: bigger schemas/grammars are refused
+JSON_OBJECT_SCHEMA = {"type": "object"}  # what kind "json_object" enforces: any JSON object
+MASK_DIGEST_SEED = hashlib.sha256(b"detinfer-mask/1").hexdigest()
+# Parser work limits: deterministic counters (not clocks); verbose errors would dump parser state into messages.
+_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+
+
+def text_sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+class Constraint(BaseModel):
+    """A grammar the output must match: ``kind`` (json_schema, json_object, regex, lark), its full ``text`` (the
+    schema as JSON text, the regex, the Lark source; "" for json_object) and ``sha256`` (of the UTF-8 text).
+
+    Build with :meth:`create` (checks the size cap and JSON syntax); :meth:`check` compiles it against a tokenizer.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["json_schema", "json_object", "regex", "lark"]
+    text: str
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+    @classmethod
+    def create(cls, kind: str, text: str = "") -> "Constraint":
+        """A constraint of ``kind`` with ``text``. Raises ConstraintError for an unknown kind, text over
+        MAX_CONSTRAINT_BYTES, text that is not a JSON object (json_schema) or any text with json_object."""
+        if kind not in KINDS:
+            raise ConstraintError(f"unknown constraint kind {kind!r}; use one of {', '.join(KINDS)}")
+        size = len(text.encode("utf-8"))
+        if size > MAX_CONSTRAINT_BYTES:
+            raise ConstraintError(f"the {kind} constraint is {size:,} bytes; the cap is {MAX_CONSTRAINT_BYTES:,} bytes (simplify it)")
+        if kind == "json_object" and text:
+            raise ConstraintError("a json_object constraint has no text; use json_schema to give a schema")
+        if kind == "json_schema":
+            try:
+                schema = json.loads(text)
+            except ValueError as e:
+                raise ConstraintError(f"the JSON Schema is not valid JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise ConstraintError(f"a JSON Schema must be a JSON object, got {type(schema).__name__}")
+        return cls(kind=kind, text=text, sha256=text_sha256(text))
+
+    @classmethod
+    def from_file(cls, kind: str, path: str | Path) -> "Constraint":
+        """:meth:`create` from a UTF-8 file; ConstraintError if it cannot be read or decoded."""
+        path = Path(path)
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise ConstraintError(f"cannot read {kind} file {path}: {e.strerror or e}") from None
+        try:
+            return cls.create(kind, data.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConstraintError(f"{kind} file {path} is not valid UTF-8 (byte offset {e.start})") from None
+
+    def check_sha256(self) -> None:
+        """ManifestError if ``sha256`` is not the hash of ``text`` (an edited record)."""
+        if text_sha256(self.text) != self.sha256:
+            raise ManifestError(f"constraint.sha256 {self.sha256[:16]}... is not the sha256 of constraint.text; the record was edited")
+
+    def grammar(self) -> str:
+        """The llguidance grammar (JSON text) for this constraint."""
+        if self.kind == "lark":
+            return llguidance.LLMatcher.grammar_from_lark(self.text)
+        if self.kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(self.text)
+        return llguidance.LLMatcher.grammar_from_json_schema(self.text if self.kind == "json_schema" else JSON_OBJECT_SCHEMA)
+
+    def check(self, tokenizer: Tokenizer) -> None:
+        """Compile against ``tokenizer`` and discard: ConstraintError (naming the problem) before any token."""
+        Guide(self, tokenizer)
+
+
+def check_ignore_eos(constraint: Constraint | None, ignore_eos: bool) -> None:
+    """ConstraintError for a constraint with ignore_eos: a constrained output ends with an end-of-generation token."""
+    if constraint is not None and ignore_eos:
+        raise ConstraintError("a constraint ends its output with an end-of-generation token; drop --ignore-eos")
+
+
+def json_schema_constraint(schema: Any) -> Constraint:
+    """A json_schema constraint from a parsed schema (its keys kept in order: properties are generated in it)."""
+    if not isinstance(schema, dict):
+        raise ConstraintError(f"a JSON Schema must be a JSON object, got {type(schema).__name__}")
+    return Constraint.create("json_schema", json.dumps(schema, ensure_ascii=False))
+
+
+def _tool_function(tool: Any, i: int) -> dict:
+    fn = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise ConstraintError(f"tools[{i}] is not a function tool with a name ({{'type': 'function', 'function': {{'name': ...}}}})")
+    return fn
+
+
+def tool_call_constraint(tools: list[dict], name: str | None = None, prefix: str = "", suffix: str = "",
+                         arguments_key: str = "arguments") -> Constraint:
+    """A constraint for exactly one tool call ``{"name": NAME, ARGUMENTS_KEY: {...}}`` whose arguments validate
+    against that tool's JSON Schema (``function.parameters``; any object if absent), optionally between literal markup.
+
+    ``tools``: OpenAI-style ``[{"type": "function", "function": {"name", "parameters"}}, ...]``. ``name``: only that
+    function may be called (else any of them: anyOf over the tools). ``prefix`` / ``suffix``: literal text around the
+    JSON object (e.g. ``"<tool_call>\\n"``, ``"\\n</tool_call>"``); ``arguments_key``: ``"parameters"`` for Llama 3's format. Without markup the constraint is kind json_schema;
+    with it, kind lark (``start: PREFIX call SUFFIX``, ``call: %json {schema}``). Raises ConstraintError for no tools,
+    a tool without a name, or a ``name`` that is not among them.
+    """
+    if not tools:
+        raise ConstraintError("a tool call constraint needs at least one tool")
+    functions = [_tool_function(t, i) for i, t in enumerate(tools)]
+    if name is not None:
+        functions = [f for f in functions if f["name"] == name]
+        if not functions:
+            raise ConstraintError(f"tool_choice names function {name!r}, which is not among the tools")
+    calls = [
+        {"type": "object", "properties": {"name": {"const": f["name"]}, arguments_key: f.get("parameters") or {"type": "object"}},
+         "required": ["name", arguments_key], "additionalProperties": False}
+        for f in functions
+    ]  # fmt: skip
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    if not prefix and not suffix:
+        return json_schema_constraint(schema)
+    literal = lambda text: [json.dumps(text, ensure_ascii=False)] if text else []  # noqa: E731 (a Lark string)
+    body = " ".join(literal(prefix) + ["call"] + literal(suffix))
+    return Constraint.create("lark", f"start: {body}\ncall: %json {json.dumps(schema, ensure_ascii=False)}\n")
+
+
+# --------------------------------------------------------------------------------------------- matching
+
+_LL_TOKENIZERS: dict[str, llguidance.LLTokenizer] = {}
+_LL_LOCK = threading.Lock()
+
+
+class _Vocabulary:
+    """What llguidance's TokenizerWrapper reads: every token's bytes, special ids, EOS/BOS and an encoder."""
+
+    def __init__(self, tokenizer: Tokenizer, eos: list[int]):
+        self.tokenizer = tokenizer
+        self.tokens = [tokenizer.token_bytes(i) for i in range(tokenizer.n_vocab)]
+        self.special_token_ids = sorted(tokenizer.special_ids)
+        self.eos_token_id = eos[0]
+        self.bos_token_id = tokenizer.bos_id
+
+    def __call__(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_bos=False)
+
+
+def ll_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
+    """llguidance's tokenizer for ``tokenizer`` (its token trie; ~0.2 s for 49k tokens), built once per tokenizer
+    hash. The end-of-generation ids are its EOS set. ConstraintError if the model has no end-of-generation token."""
+    with _LL_LOCK:
+        ll = _LL_TOKENIZERS.get(tokenizer.hash)
+        if ll is None:
+            eos = sorted(tokenizer.eog_ids)
+            if not eos:
+                raise ConstraintError("this model has no end-of-generation token, so a constrained output could never end")
+            ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocabulary(tokenizer, eos)), eos_token=eos)
+            _LL_TOKENIZERS[tokenizer.hash] = ll
+        return ll
+
+
+def _one_line(message: str) -> str:
+    """llguidance's multi-line error (with source excerpts and carets) as one line."""
+    keep = [s for line in message.splitlines() if (s := line.strip()) and not s.startswith("^") and not re.match(r"^\d+ \|", s)]
+    return " ".join(keep)
+
+
+def mask_digest(previous: str, allowed: np.ndarray) -> str:
+    """Next link of the mask digest chain: sha256(previous digest bytes || the mask as bits, token i = bit i % 8 of
+    byte i // 8, ceil(n_vocab / 8) bytes)."""
+    return hashlib.sha256(bytes.fromhex(previous) + np.packbits(allowed, bitorder="little").tobytes()).hexdigest()
+
+
+class Guide:
+    """One constrained generation: an llguidance matcher advanced token by token, and its mask digest chain.
+
+    Raises ConstraintError at construction for an invalid or unsupported schema / regex / grammar (llguidance's
+    message, one line) or one that allows no output at all.
+    """
+
+    def __init__(self, constraint: Constraint, tokenizer: Tokenizer):
+        self.constraint = constraint
+        self.n_vocab = tokenizer.n_vocab
+        self.matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer), constraint.grammar(), log_level=0, limits=_LIMITS)
+        self.digest = MASK_DIGEST_SEED
+        self._fail(f"invalid {constraint.kind} constraint")
+        self._first = self._allowed()  # an empty language errors here, before any token is generated
+        self._fail(f"the {constraint.kind} constraint can never be satisfied")
+        if not self._first[: self.n_vocab].any():
+            raise ConstraintError(f"the {constraint.kind} constraint allows no output")
+
+    def _fail(self, what: str) -> None:
+        if self.matcher.is_error():
+            raise ConstraintError(f"{what}: {_one_line(self.matcher.get_error())}")
+
+    def _allowed(self) -> np.ndarray:
+        bits = np.frombuffer(self.matcher.compute_bitmask(), np.uint8)
+        return np.unpackbits(bits, bitorder="little").view(np.bool_)
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        """float32[n_vocab] logits with every token the grammar does not allow next set to -inf (a new array); extends
+        the mask digest chain. ConstraintError if the grammar allows no token (it cannot be completed)."""
+        allowed = self._first if self._first is not None else self._allowed()
+        self._first = None
+        n = logits.shape[0]
+        allowed = np.concatenate([allowed, np.zeros(max(0, n - allowed.shape[0]), np.bool_)])[:n]
+        self._fail("the constraint failed")
+        if not allowed.any():
+            raise ConstraintError(f"the {self.constraint.kind} constraint allows no next token; it cannot be completed")
+        self.digest = mask_digest(self.digest, allowed)
+        return np.where(allowed, logits, np.float32(-np.inf))
+
+    def consume(self, token: int) -> None:
+        """Advance past a sampled ``token`` (an allowed one); end-of-generation tokens end the output instead."""
+        if not self.matcher.consume_token(int(token)):
+            raise ConstraintError(f"token {token} was not allowed by the constraint: {_one_line(self.matcher.get_error())}")
+
+
+def version() -> dict[str, str]:
+    """The constraint library's name and version (recorded in manifests' informative section)."""
+    return {"llguidance": importlib.metadata.version("llguidance")}  # older releases have no __version__

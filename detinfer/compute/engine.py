@@ -1,0 +1,263 @@
+"""The engine: a loaded model and its forward pass (one entry point for prefill and decode).
+
+``forward`` takes a chunk of n >= 1 tokens at the positions after those already in the KV cache. Decode is the
+n = 1 case of the same kernels in the same order, so chunked prefill, whole-prompt prefill, prefix reuse and
+one-token decode all produce the same bytes for the same token at the same position.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numba
+import numpy as np
+
+from . import kernels
+from ..model.arch import ARCHITECTURES
+from ..model.chat import ChatTemplate
+from ..model.config import ModelConfig
+from ..errors import InputError
+from ..model.gguf_file import ModelFile
+from .kvcache import KVCache, KVPool, check_kv_fits, kv_bytes_per_number, parse_kv_type
+from ..model.quants import DEQUANT_ROW
+from ..model.registry import resolve_model
+from ..model.tokenizer import Tokenizer
+from ..model.weights import Weights, layout_key
+from .linear import Activations, matmul, project
+from ..model.weights_cache import open_store
+
+DEFAULT_N_CTX = 4096
+DEFAULT_CHUNK = 64  # prefill tokens per forward chunk: any value gives the same bytes
+PROGRESS_MARK = "compiling kernels"  # the CLI's status while warm_up runs (the bench checks it at cold start)
+GROUP_JOBS = 8  # attention takes a whole GQA group per job from this many (token, KV head) jobs on (same bytes)
+
+
+def set_threads(threads: int | None) -> int:
+    """Set numba's thread count (default: all cores numba sees). Never changes a result, only speed.
+
+    Raises InputError if ``threads`` is not between 1 and the number of cores numba was started with.
+    """
+    limit = numba.config.NUMBA_NUM_THREADS
+    n = limit if threads is None else int(threads)
+    if not 1 <= n <= limit:
+        raise InputError(f"--threads {threads} is out of range; use 1..{limit} (NUMBA_NUM_THREADS caps it)")
+    numba.set_num_threads(n)
+    return n
+
+
+@dataclass
+class _Scratch:
+    """Activation buffers for a chunk of up to ``T`` tokens, allocated once per chunk size."""
+
+    x: np.ndarray  # [T, n_embd] residual stream
+    xn: np.ndarray  # [T, n_embd] normalized
+    qkv: np.ndarray  # [T, q_width + 2 kv_width]
+    attn: np.ndarray  # [T, q_width]
+    proj: np.ndarray  # [T, n_embd]
+    gate_up: np.ndarray  # [T, 2 n_ff]
+    ffn: np.ndarray  # [T, n_ff]
+    # 8-bit codes of the matmul inputs: n -> Activations buffers [T, n] (C-contiguous) of inputs of width n;
+    # (n, rows.start, rows.stop) -> Activations views of their rows
+    codes: dict = field(default_factory=dict)
+
+
+@contextmanager
+def _gc_paused():
+    """Loading allocates millions of objects that form no reference cycles (a 262k-token vocabulary, its index,
+    its merges): the collections those allocations trigger only re-scan them (~0.15 s of Gemma 3's load)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+class Engine:
+    """A model ready to run: file, config, tokenizer, chat template, repacked weights and RoPE tables.
+
+    Construct with :meth:`load`. ``n_ctx`` is the number of positions a KV cache holds; ``kv_type`` "f32" or "f16".
+    """
+
+    def __init__(self, model_file: ModelFile, n_ctx: int = DEFAULT_N_CTX, kv_type: str = "f32"):
+        self.model_file = model_file
+        self.config = cfg = ModelConfig.from_model(model_file)
+        if not 1 <= n_ctx <= cfg.n_ctx_train:
+            raise InputError(f"--ctx {n_ctx} is out of range; this model supports 1..{cfg.n_ctx_train} positions")
+        self.n_ctx = n_ctx
+        self.kv_type = parse_kv_type(kv_type)
+        check_kv_fits(cfg, n_ctx, self.kv_type)  # before any table of n_ctx rows is built
+        # a store of repacked weights is checked in the background while the tokenizer is built
+        store = open_store(model_file.header_key, layout_key()) if model_file.indexed else None
+        self.tokenizer = Tokenizer.from_model(model_file)
+        self.chat_template = ChatTemplate.from_model(model_file)
+        self.weights = Weights.load(model_file, cfg, store)
+        self._embd_row = DEQUANT_ROW[self.weights.token_embd_type]
+        arch = ARCHITECTURES[cfg.arch]
+        neox, gelu = arch.rope_style == "neox", arch.activation == "gelu_tanh"
+        self._rope = kernels.rope_neox if neox else kernels.rope_norm
+        self._ffn_act = kernels.geglu if gelu else kernels.swiglu
+        # chunks (T > 1) run them token by token in parallel (same bytes: tokens are independent there)
+        self._rope_tokens = kernels.rope_neox_tokens if neox else kernels.rope_norm_tokens
+        self._ffn_act_tokens = kernels.geglu_tokens if gelu else kernels.swiglu_tokens
+        # gemma3 scales embeddings by sqrtf(n_embd) (llama.cpp src/models/gemma3.cpp); None: no scaling.
+        self._embd_scale = np.float32(np.sqrt(np.float32(cfg.n_embd))) if arch.embd_scale else None
+        # Per layer: (cos, sin) RoPE tables [n_ctx, head_dim / 2] of the layer's base, and its window (0: none).
+        tables = {b: kernels.rope_table(n_ctx, cfg.head_dim, b) for b in {cfg.rope_freq_base, cfg.rope_freq_base_swa}}
+        self._layer_rope = [tables[cfg.rope_freq_base_swa if swa else cfg.rope_freq_base] for swa in cfg.swa_layers]
+        self._layer_window = [cfg.sliding_window if swa else 0 for swa in cfg.swa_layers]
+        self.attn_scale = np.float32(1.0 / np.sqrt(np.float64(cfg.query_pre_attn_scalar)))
+        self._scratch: dict[int, _Scratch] = {}
+        self._kv_pool = KVPool()
+
+    @classmethod
+    def load(cls, model: str | os.PathLike | None = None, *, n_ctx: int = DEFAULT_N_CTX, kv_type: str = "f32") -> "Engine":
+        """Load a model by registry name or .gguf path (None: the default model).
+
+        The KV type is checked before the model is read, so a quantized ``kv_type`` fails fast (KVTypeError).
+        Raises DetinferError subclasses for a missing/invalid file, unsupported architecture or tensor type.
+        """
+        parse_kv_type(kv_type)
+        with _gc_paused():
+            return cls(ModelFile(resolve_model(model)), n_ctx=n_ctx, kv_type=kv_type)
+
+    def warm_up(self) -> None:
+        """Compile (first run) or load from numba's cache every kernel the engine uses, outside any timing: a 2-token
+        chunk, then a 1-token step (numba types a one-row slice as contiguous, so decode has its own specializations)."""
+        cache = self.new_cache()
+        self.forward([0, 0], cache)
+        self.forward([0], cache)
+
+    def new_cache(self) -> KVCache:
+        """An empty KV cache of n_ctx positions: zeroed memory, that of the last cache dropped if nothing views it
+        any more (:class:`KVPool`), else a new mapping whose pages are committed when written."""
+        return KVCache(self.config, self.n_ctx, self.kv_type, pool=self._kv_pool)
+
+    def kv_bytes(self, n_positions: int | None = None, kv_type: str | None = None) -> int:
+        """KV cache bytes for ``n_positions`` (default n_ctx) with the formula in :class:`KVCache`."""
+        return self.config.kv_bytes(self.n_ctx if n_positions is None else n_positions, kv_bytes_per_number(kv_type or self.kv_type))
+
+    def _scratch_for(self, T: int) -> _Scratch:
+        if T not in self._scratch:
+            cfg = self.config
+            qw = cfg.n_head * cfg.head_dim
+            f = np.float32
+            self._scratch[T] = _Scratch(
+                x=np.empty((T, cfg.n_embd), f),
+                xn=np.empty((T, cfg.n_embd), f),
+                qkv=np.empty((T, qw + 2 * cfg.kv_width), f),
+                attn=np.empty((T, qw), f),
+                proj=np.empty((T, cfg.n_embd), f),
+                gate_up=np.empty((T, 2 * cfg.n_ff), f),
+                ffn=np.empty((T, cfg.n_ff), f),
+            )
+        return self._scratch[T]
+
+    @staticmethod
+    def _codes(s: _Scratch, x: np.ndarray, rows: slice = slice(None)) -> Activations:
+        """The 8-bit block codes of a matmul input x (float32 [T', n]; rows: which scratch rows it fills), in views
+        made once per (n, rows) (decode would otherwise rebuild them for every matmul) of C-contiguous buffers of
+        width n: views of one buffer of the widest input would be non-contiguous for some widths, and every
+        kernel taking them would compile once per layout."""
+        n = x.shape[1]
+        a = s.codes.get((n, rows.start, rows.stop))
+        if a is None:
+            if n not in s.codes:
+                s.codes[n] = Activations.empty(s.x.shape[0], n)
+            a = s.codes[(n, rows.start, rows.stop)] = Activations(*(b[rows] for b in s.codes[n]))
+        (kernels.quantize_blocks_tokens if x.shape[0] > 1 else kernels.quantize_blocks)(x, *a)
+        return a
+
+    def forward(
+        self, tokens: Sequence[int], cache: KVCache, *, all_logits: bool = False, chunk_size: int = DEFAULT_CHUNK
+    ) -> np.ndarray:
+        """Run ``tokens`` at positions cache.n_tokens.. and append their K/V to ``cache``.
+
+        Returns float32 logits [len(tokens), n_vocab] if ``all_logits``, else [n_vocab] for the last token.
+        ``chunk_size`` (>= 1) only splits the work; it never changes a bit of the result.
+        Raises InputError for an empty or out-of-vocabulary token list, or one that does not fit in the cache.
+        """
+        cfg = self.config
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        n = ids.shape[0]
+        if n == 0:
+            raise InputError("no tokens to run")
+        if chunk_size < 1:
+            raise InputError(f"chunk size must be >= 1, got {chunk_size}")
+        if ids.min() < 0 or ids.max() >= cfg.n_vocab:
+            bad = int(ids[(ids < 0) | (ids >= cfg.n_vocab)][0])
+            raise InputError(f"token id {bad} is outside the vocabulary (0..{cfg.n_vocab - 1})")
+        if cache.n_tokens + n > cache.n_ctx:
+            raise InputError(
+                f"{cache.n_tokens} cached + {n} new tokens exceed the context of {cache.n_ctx}; raise --ctx or shorten the prompt"
+            )
+        logits = np.empty((n if all_logits else 1, cfg.n_vocab), np.float32)
+        for start in range(0, n, chunk_size):
+            chunk = ids[start : start + chunk_size]
+            last = start + chunk.shape[0] == n
+            want = all_logits or last
+            out = logits[start : start + chunk.shape[0]] if all_logits else logits
+            self._forward_chunk(chunk, cache, out if want else None, all_rows=all_logits)
+        return logits if all_logits else logits[0]
+
+    def _forward_chunk(self, ids: np.ndarray, cache: KVCache, logits: np.ndarray | None, all_rows: bool) -> None:
+        """One chunk through every layer: the llama block (Touvron et al. 2023, as llama.cpp runs GGUF llama files)
+        with the optional steps of the architecture (detinfer/arch.py): q/k/v bias, per-head q/k norm, RoPE style
+        and base per layer, sliding-window layers, post-attention / post-FFN norms, FFN activation."""
+        cfg, w = self.config, self.weights
+        T = ids.shape[0]
+        s = self._scratch_for(T)
+        pos0 = cache.n_tokens
+        cache.will_write(pos0 + T)
+        positions = np.arange(pos0, pos0 + T, dtype=np.int64)
+        qw, kvw = cfg.n_head * cfg.head_dim, cfg.kv_width
+        eps = np.float32(cfg.rms_norm_eps)
+        chunk = T > 1  # per-token kernels: tokens in parallel for a chunk, plain calls for one token
+        heads_per_job = cfg.n_head // cfg.n_head_kv if T * cfg.n_head_kv >= GROUP_JOBS else 1
+        norm = kernels.rmsnorm_tokens if chunk else kernels.rmsnorm
+        norm_heads = kernels.rmsnorm_heads_tokens if chunk else kernels.rmsnorm_heads
+        rope = self._rope_tokens if chunk else self._rope
+        kv_write = kernels.kv_write_tokens if chunk else kernels.kv_write
+        ffn_act = self._ffn_act_tokens if chunk else self._ffn_act
+        for t in range(T):
+            self._embd_row(w.token_embd[ids[t]], s.x[t])
+        if self._embd_scale is not None:
+            s.x *= self._embd_scale  # one float32 multiply per element
+        for li, layer in enumerate(w.layers):
+            norm(s.x, layer.attn_norm, eps, s.xn)
+            project(layer.attn_qkv, s.xn, self._codes(s, s.xn), s.qkv)
+            if layer.attn_qkv_bias is not None:
+                kernels.add_bias(s.qkv, layer.attn_qkv_bias)
+            q, k = s.qkv[:, :qw], s.qkv[:, qw : qw + kvw]
+            if layer.attn_q_norm is not None:
+                norm_heads(q.reshape(T, cfg.n_head, cfg.head_dim), layer.attn_q_norm, eps)
+                norm_heads(k.reshape(T, cfg.n_head_kv, cfg.head_dim), layer.attn_k_norm, eps)
+            cos, sin = self._layer_rope[li]
+            rope(q, positions, cfg.n_head, cfg.head_dim, cos, sin)
+            rope(k, positions, cfg.n_head_kv, cfg.head_dim, cos, sin)
+            kv_write(cache.k[li], cache.v[li], s.qkv, qw, qw + kvw, pos0)
+            kernels.attention(s.qkv, cache.k[li], cache.v[li], pos0, cfg.n_head, self.attn_scale, cache.lut, s.attn,
+                              self._layer_window[li], heads_per_job)  # fmt: skip
+            project(layer.attn_output, s.attn, self._codes(s, s.attn), s.proj)
+            if layer.post_attention_norm is not None:
+                norm(s.proj, layer.post_attention_norm, eps, s.proj)
+            kernels.add_inplace(s.x, s.proj)
+            norm(s.x, layer.ffn_norm, eps, s.xn)
+            project(layer.ffn_gate_up, s.xn, self._codes(s, s.xn), s.gate_up)
+            ffn_act(s.gate_up[:, : cfg.n_ff], s.gate_up[:, cfg.n_ff :], s.ffn)
+            project(layer.ffn_down, s.ffn, self._codes(s, s.ffn), s.proj)
+            if layer.post_ffw_norm is not None:
+                norm(s.proj, layer.post_ffw_norm, eps, s.proj)
+            kernels.add_inplace(s.x, s.proj)
+        cache.tokens.extend(int(i) for i in ids)
+        if logits is None:
+            return
+        rows = slice(0, T) if all_rows else slice(T - 1, T)
+        xn = s.xn[rows]
+        kernels.rmsnorm(s.x[rows], w.output_norm, eps, xn)
+        matmul(w.output, xn, self._codes(s, xn, rows), logits)

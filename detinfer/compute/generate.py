@@ -1,0 +1,221 @@
+"""Generation as a stream of steps: sample, append, decode text safely, stop.
+
+Each step yields the token, its text delta (never a partial UTF-8 character, never part of a stop string),
+the chained digest of the logits it was sampled from, and the stop reason on the last step. The CLI, the
+manifest writer and (later) sessions and the server all consume this one stream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from .constrain import Constraint, Guide, check_ignore_eos
+from .engine import DEFAULT_CHUNK, Engine
+from ..errors import InputError
+from .kvcache import KVCache
+from .sampler import SamplingParams, log_softmax_at, sample, top_logits
+
+DIGEST_SEED = hashlib.sha256(b"detinfer-logits/1").hexdigest()
+STOP_REASONS = ("eos", "stop", "max_tokens", "length")
+
+
+def chain_digest(previous: str, logits: np.ndarray) -> str:
+    """Next link of the logits digest chain: sha256(previous digest bytes || float32 little-endian logits)."""
+    return hashlib.sha256(bytes.fromhex(previous) + np.ascontiguousarray(logits, dtype="<f4").tobytes()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Step:
+    """One generated token. ``token`` is None only for a final step that stops before sampling (context full)."""
+
+    index: int
+    position: int
+    token: int | None
+    text: str
+    digest: str
+    top: list[tuple[int, float]]
+    stop_reason: str | None = None
+    # Only with generate(..., logprobs_k=k): log-softmax of the raw logits (sampler.log_softmax_at) at the sampled
+    # token, and the k highest (id, logprob) in top_logits order (highest first, ties by lowest id).
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    mask_digest: str | None = None  # only with a constraint: the mask digest chain at this step
+
+
+@dataclass
+class Timings:
+    """Wall-clock seconds; recorded in manifests but never compared."""
+
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    prompt_tokens: int = 0
+    decode_tokens: int = 0
+
+    def rates(self) -> dict[str, float]:
+        return {
+            "prefill_s": round(self.prefill_s, 4),
+            "decode_s": round(self.decode_s, 4),
+            "prefill_tok_s": round(self.prompt_tokens / self.prefill_s, 2) if self.prefill_s else 0.0,
+            "decode_tok_s": round(self.decode_tokens / self.decode_s, 2) if self.decode_s else 0.0,
+        }
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    stop_reason: str | None = None
+    digests: list[str] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)  # only with logprobs_k
+    mask_digests: list[str] = field(default_factory=list)  # only with a constraint
+    kv_sha256: str = ""
+    reused_tokens: int = 0
+    timings: Timings = field(default_factory=Timings)
+
+
+class _StopMatcher:
+    """Holds back text that could still become a stop string; finds the first completed one."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.text = ""  # all decoded text so far
+        self.emitted = 0
+
+    def push(self, delta: str) -> tuple[str, bool]:
+        """Add decoded text; return (text now safe to emit, whether a stop string completed)."""
+        self.text += delta
+        start = max(0, self.emitted - max((len(s) for s in self.stops), default=0))
+        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        if hits:
+            end, done = min(hits), True
+        else:
+            hold = max((k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
+            end, done = len(self.text) - hold, False
+        out = self.text[self.emitted : end] if end > self.emitted else ""
+        self.emitted = max(self.emitted, end)
+        return out, done
+
+    def finish(self) -> str:
+        """Text held back at the end (it never completed a stop string)."""
+        out = self.text[self.emitted :]
+        self.emitted = len(self.text)
+        return out
+
+
+def check_prompt(engine: Engine, tokens: Sequence[int]) -> None:
+    """Raise InputError for an empty prompt or one longer than the context (n_ctx)."""
+    if len(tokens) == 0:
+        raise InputError("the prompt is empty; pass some text with --prompt, --prompt-file or --messages")
+    if len(tokens) > engine.n_ctx:
+        raise InputError(
+            f"the prompt has {len(tokens)} tokens but the context holds {engine.n_ctx}; shorten it or raise --ctx "
+            f"(this model allows up to {engine.config.n_ctx_train})"
+        )
+
+
+def generate(
+    engine: Engine,
+    prompt_tokens: Sequence[int],
+    params: SamplingParams,
+    *,
+    max_tokens: int,
+    stop: Sequence[str] = (),
+    ignore_eos: bool = False,
+    chunk_size: int = DEFAULT_CHUNK,
+    cache: KVCache | None = None,
+    result: GenerationResult | None = None,
+    logprobs_k: int | None = None,
+    constraint: Constraint | None = None,
+) -> Iterator[Step]:
+    """Prefill ``prompt_tokens`` and generate up to ``max_tokens`` tokens, yielding one Step per token.
+
+    ``cache`` (optional) may already hold a prefix of the prompt: only the rest is computed (see
+    :meth:`KVCache.keep_prefix`), with the same bytes as a cold run.
+
+    Stops at an end-of-generation token (not emitted as text; unless ``ignore_eos``), a stop string (its text
+    is never emitted), ``max_tokens``, or the end of the context (stop reason "length": a token at position p
+    needs p < n_ctx). ``result`` (optional) is filled in as the stream advances, with the final KV digest at the
+    end. ``logprobs_k`` (optional, 0..n_vocab; default off, costing nothing) adds to each sampled Step, and to
+    ``result.logprobs``, the logprob of the sampled token and the ``logprobs_k`` most likely tokens under the raw
+    logits (see Step). ``constraint`` (optional): before each sampled token, the tokens its grammar does not allow
+    next get -inf logits (constrain.Guide); end-of-generation tokens are allowed only where the grammar accepts. Digests,
+    top logits and logprobs stay those of the raw logits; each step's mask digest goes to ``Step.mask_digest`` and
+    ``result.mask_digests``. Raises InputError for an empty or too-long prompt, or max_tokens < 1; ConstraintError
+    for a constraint that does not compile, with ``ignore_eos`` (the grammar ends with an end token), or that can
+    no longer be completed.
+    """
+    check_prompt(engine, prompt_tokens)
+    if max_tokens < 1:
+        raise InputError(f"--max-tokens must be at least 1, got {max_tokens}")
+    if logprobs_k is not None and (isinstance(logprobs_k, bool) or not isinstance(logprobs_k, int) or logprobs_k < 0):
+        raise InputError(f"logprobs_k must be an int >= 0 or None, got {logprobs_k!r}")
+    check_ignore_eos(constraint, ignore_eos)
+    guide = Guide(constraint, engine.tokenizer) if constraint is not None else None
+    res = result if result is not None else GenerationResult()
+    cache = cache if cache is not None else engine.new_cache()
+    reused = cache.keep_prefix(prompt_tokens)
+    history = list(prompt_tokens)
+    decoder = engine.tokenizer.stream_decoder()
+    matcher = _StopMatcher(stop)
+    eog = frozenset() if ignore_eos else engine.tokenizer.eog_ids
+    digest = DIGEST_SEED
+    t0 = time.perf_counter()
+    logits = engine.forward(prompt_tokens[reused:], cache, chunk_size=chunk_size)
+    res.timings.prefill_s = time.perf_counter() - t0
+    res.timings.prompt_tokens = len(prompt_tokens) - reused
+    res.reused_tokens = reused
+    t0 = time.perf_counter()
+    index = 0
+    while True:
+        position = cache.n_tokens
+        if position >= engine.n_ctx:
+            res.stop_reason = "length"
+            res.kv_sha256 = cache.digest()
+            yield Step(index, position, None, matcher.finish(), digest, [], "length")
+            return
+        mdigest = None
+        if guide is not None:
+            token = sample(guide.mask(logits), params, position, history)
+            mdigest = guide.digest
+            res.mask_digests.append(mdigest)
+        else:
+            token = sample(logits, params, position, history)
+        digest = chain_digest(digest, logits)
+        top = top_logits(logits, 5)
+        lp, top_lp = None, None
+        if logprobs_k is not None:
+            ranked = top if logprobs_k <= len(top) else top_logits(logits, logprobs_k)
+            ids = [token] + [i for i, _ in ranked[:logprobs_k]]
+            values = log_softmax_at(logits, ids)
+            lp, top_lp = values[0], list(zip(ids[1:], values[1:]))
+            res.logprobs.append((lp, top_lp))
+        res.tokens.append(token)
+        res.digests.append(digest)
+        res.top.append(top)
+        history.append(token)
+        if token in eog:
+            reason, text = "eos", matcher.finish()
+        else:
+            if guide is not None:
+                guide.consume(token)
+            text, hit = matcher.push(decoder.feed(token))
+            reason = "stop" if hit else "max_tokens" if index + 1 >= max_tokens else "length" if position + 1 >= engine.n_ctx else None
+            if reason in ("max_tokens", "length"):
+                text += matcher.finish()
+        res.text += text
+        if reason is not None:
+            res.stop_reason = reason
+            res.timings.decode_s = time.perf_counter() - t0
+            res.timings.decode_tokens = index
+            res.kv_sha256 = cache.digest()
+            yield Step(index, position, token, text, digest, top, reason, lp, top_lp, mdigest)
+            return
+        yield Step(index, position, token, text, digest, top, None, lp, top_lp, mdigest)
+        logits = engine.forward([token], cache)
+        index += 1

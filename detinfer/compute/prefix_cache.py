@@ -1,0 +1,154 @@
+"""Prefix cache: KV snapshots of earlier prompts, found by token-id prefix, bounded by bytes, evicted LRU.
+
+Reuse is exact because a position's K/V depend only on the tokens up to it: restoring the first k positions of
+any snapshot whose tokens agree with the new prompt on those k tokens gives the same cache, byte for byte, as
+computing them (a snapshot longer than the shared part is cut to it, which is exact for attention layers).
+One PrefixCache serves one model and KV type; the snapshots carry no model identity of their own.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from ..errors import InputError
+from .kvcache import KVCache, KVSnapshot
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+def _shared_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Number of leading equal entries of two int64 arrays."""
+    n = min(a.shape[0], b.shape[0])
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+class PrefixCache:
+    """An in-memory LRU map from token-id sequences to KV snapshots, holding at most ``max_bytes`` of K/V.
+
+    A stored snapshot whose tokens are a prefix of another stored (truncatable) one is redundant and is dropped,
+    since the longer one serves every lookup the shorter would. Raises InputError if ``max_bytes`` is negative.
+    """
+
+    def __init__(self, max_bytes: int):
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, (int, np.integer)) or max_bytes < 0:
+            raise InputError(f"prefix cache size must be a whole number of bytes >= 0, got {max_bytes!r}")
+        self.max_bytes = int(max_bytes)
+        self._entries: OrderedDict[tuple[int, ...], tuple[np.ndarray, KVSnapshot]] = OrderedDict()  # oldest first
+        self._nbytes = 0
+        self._geometry: tuple[str, tuple[int, int, int]] | None = None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K/V held (sum of the snapshots' nbytes), never above max_bytes."""
+        return self._nbytes
+
+    def keys(self) -> list[tuple[int, ...]]:
+        """Token sequences held, least recently used first."""
+        return list(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._nbytes = 0
+        self._geometry = None
+
+    def lookup(self, tokens: Sequence[int], limit: int | None = None) -> tuple[int, KVSnapshot | None]:
+        """The longest reusable prefix of ``tokens``: (k, snapshot) where snapshot.tokens[:k] == tokens[:k], or (0, None).
+
+        ``limit`` caps k (default len(tokens)). A truncatable snapshot serves any k up to the tokens it shares; a
+        non-truncatable one only its full length. Ties go to the most recently used snapshot. The snapshot found
+        becomes the most recently used. Restore it with ``cache.restore(snapshot, k)``.
+        """
+        query = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        limit = query.shape[0] if limit is None else min(int(limit), query.shape[0])
+        best_k, best_key = 0, None
+        for key, (ids, snap) in reversed(self._entries.items()):  # most recent first: it wins ties
+            shared = _shared_prefix(ids, query)
+            if snap.truncatable:
+                k = min(shared, limit)
+            else:
+                k = ids.shape[0] if shared == ids.shape[0] and ids.shape[0] <= limit else 0
+            if k > best_k:
+                best_k, best_key = k, key
+        if best_key is None:
+            return 0, None
+        self._entries.move_to_end(best_key)
+        return best_k, self._entries[best_key][1]
+
+    def restore_longest(self, cache: KVCache, tokens: Sequence[int]) -> None:
+        """Restore into ``cache`` the best snapshot's prefix of ``tokens`` when it is longer than what ``cache``
+        already holds of them (at most len(tokens) - 1: the last token is always computed). Exact either way."""
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        limit = ids.shape[0] - 1
+        held = min(_shared_prefix(np.asarray(cache.tokens, dtype=np.int64), ids), limit)
+        k, snap = self.lookup(ids, limit=limit)
+        if snap is not None and k > held:
+            cache.restore(snap, k)
+
+    def store(self, source: KVCache | KVSnapshot) -> bool:
+        """Keep a snapshot of ``source`` (a cache is snapshotted whole), evicting least recently used entries to stay
+        within max_bytes. Returns False if it was not kept: empty, larger than max_bytes, or already covered by a
+        longer stored snapshot (which then becomes most recently used).
+
+        Raises InputError if its kv type or shape differs from the snapshots already held.
+        """
+        geometry = (source.kv_type, source.shape)
+        if self._entries and geometry != self._geometry:
+            raise InputError(f"this prefix cache holds {self._geometry} snapshots, not {geometry}; use one prefix cache per model")
+        if source.n_tokens == 0:
+            return False
+        ids = np.asarray(source.tokens, dtype=np.int64)
+        truncatable = source.truncatable
+        covered = []
+        for other, (other_ids, other_snap) in self._entries.items():
+            shared = _shared_prefix(ids, other_ids)
+            if shared == ids.shape[0] and other_snap.truncatable:  # an equal or longer snapshot serves it already
+                self._entries.move_to_end(other)
+                return False
+            if shared == other_ids.shape[0] and truncatable:  # the new one serves every lookup this shorter one does
+                covered.append(other)
+        if (source.held_nbytes if isinstance(source, KVCache) else source.nbytes) > self.max_bytes:
+            return False
+        snap = source.snapshot() if isinstance(source, KVCache) else source
+        for other in covered:
+            self._drop(other)
+        key = tuple(snap.tokens)
+        self._entries[key] = (ids, snap)
+        self._nbytes += snap.nbytes
+        self._geometry = geometry
+        while self._nbytes > self.max_bytes:
+            self._drop(next(iter(self._entries)))
+        return True
+
+    def _drop(self, key: tuple[int, ...]) -> None:
+        _, snap = self._entries.pop(key)
+        self._nbytes -= snap.nbytes
+
+
+def prefill_with_reuse(
+    engine: "Engine", tokens: Sequence[int], prefix_cache: PrefixCache, cache: KVCache, *, chunk_size: int | None = None
+) -> tuple[np.ndarray, int]:
+    """Prefill ``tokens`` into ``cache`` reusing the longest known prefix; returns (last-token logits [n_vocab], n_reused).
+
+    The prefix comes from whichever is longer: what ``cache`` already holds of ``tokens``, or the best snapshot
+    in ``prefix_cache``. At least the last token is always computed (its logits are needed), so a fully cached
+    prompt is cut back by one. The finished prompt is stored in ``prefix_cache``. Bit-identical to
+    ``engine.forward(tokens, fresh cache)``: same logits bytes, same KV digest.
+    Raises InputError for an empty prompt or one that does not fit in the cache.
+    """
+    ids = [int(t) for t in tokens]
+    if not ids:
+        raise InputError("no tokens to run")
+    prefix_cache.restore_longest(cache, ids)
+    n_reused = cache.keep_prefix(ids)
+    kwargs = {} if chunk_size is None else {"chunk_size": chunk_size}
+    logits = engine.forward(ids[n_reused:], cache, **kwargs)
+    prefix_cache.store(cache)
+    return logits, n_reused

@@ -1,0 +1,90 @@
+"""verify's results for CI systems: a JUnit XML file (one test case per file verified) and GitHub Actions
+annotation lines (``::error file=...::...``), both carrying the divergence report of :meth:`VerifyResult.report`."""
+
+from __future__ import annotations
+
+import os
+import xml.etree.ElementTree as ET
+from typing import Sequence
+
+from ..fileio import atomic_write_text
+from ..records.verify import BAD_INPUT, MISMATCH, VerifyResult
+
+
+def junit_xml(results: Sequence[VerifyResult], *, suite: str = "detinfer verify") -> str:
+    """JUnit XML: a testsuite with one testcase per result (name: the file's path, time: seconds); a mismatch is a
+    ``<failure>``, bad input an ``<error>``, each with the first report line as message and the report as text."""
+    root = ET.Element("testsuites")
+    ts = ET.SubElement(root, "testsuite", name=suite, tests=str(len(results)),
+                       failures=str(sum(r.status == MISMATCH for r in results)),
+                       errors=str(sum(r.status == BAD_INPUT for r in results)),
+                       time=f"{sum(r.seconds for r in results):.3f}")  # fmt: skip
+    for r in results:
+        case = ET.SubElement(ts, "testcase", classname="detinfer.verify", name=r.path, time=f"{r.seconds:.3f}")
+        if r.status in (MISMATCH, BAD_INPUT):
+            lines = r.report()
+            el = ET.SubElement(case, "failure" if r.status == MISMATCH else "error", message=lines[0], type=r.status)
+            el.text = "\n".join(lines)
+    ET.indent(root)
+    return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
+
+
+def write_junit(results: Sequence[VerifyResult], path: str | os.PathLike) -> None:
+    """Write :func:`junit_xml` to ``path`` atomically."""
+    atomic_write_text(path, junit_xml(results))
+
+
+def _escape(text: str, *, prop: bool = False) -> str:
+    """GitHub workflow-command escaping: %, CR, LF always; ':' and ',' too inside a property."""
+    text = text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+    return text.replace(":", "%3A").replace(",", "%2C") if prop else text
+
+
+def github_annotations(results: Sequence[VerifyResult]) -> list[str]:
+    """One ``::error`` workflow command per mismatching or bad file, titled by its status, with the report as
+    its (multi-line) message; GitHub shows it on the file in the run's summary and the pull request."""
+    return [f"::error file={_escape(r.path, prop=True)},title={_escape('detinfer verify: ' + r.status, prop=True)}::"
+            f"{_escape(chr(10).join(r.report()))}" for r in results if r.status in (MISMATCH, BAD_INPUT)]
+
+
+# x86-64 micro-architecture levels (the psABI's), highest first: the features each level adds
+_X86_LEVELS = (
+    ("x86-64-v4", ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")),
+    ("x86-64-v3", ("avx", "avx2", "bmi", "bmi2", "f16c", "fma", "lzcnt", "movbe")),
+    ("x86-64-v2", ("cx16", "popcnt", "sse4.1", "sse4.2", "ssse3")),
+)
+
+
+def cpu_level() -> str:
+    """This CPU as the JIT sees it: its instruction-set level (x86-64-v1..v4; on other architectures the LLVM
+    target triple) and LLVM's host CPU name, e.g. ``x86-64-v3-znver3``. numba's cache keys compiled code on the
+    host CPU name and features, so a cache restored on another CPU would only be recompiled over."""
+    import llvmlite.binding as ll
+
+    features = {f[1:] for f in ll.get_host_cpu_features().flatten().split(",") if f.startswith("+")}
+    triple = ll.get_process_triple()
+    level = triple.split("-")[0]
+    if level == "x86_64":
+        level = next((name for name, need in _X86_LEVELS if set(need) <= features), "x86-64-v1")
+    return f"{level}-{ll.get_host_cpu_name()}"
+
+
+def cache_key(model: str | None = None) -> str:
+    """The CI cache key of a model and its compiled kernels: detinfer, numba and Python versions (numba's cache
+    entries hold code for one Python), the model's sha256 (registry name, default the registry's default model) and
+    :func:`cpu_level`."""
+    import platform
+
+    import numba
+
+    from ..version import __version__
+    from ..model.registry import DEFAULT_MODEL, get_entry
+
+    versions = f"detinfer-{__version__}-numba-{numba.__version__}-py{platform.python_version()}"
+    return f"{versions}-{get_entry(model or DEFAULT_MODEL).sha256[:16]}-{cpu_level()}"
+
+
+if __name__ == "__main__":  # python -m detinfer.integrations.ci_report [MODEL]: print the CI cache key (examples/ci/)
+    import sys
+
+    print(cache_key(sys.argv[1] if len(sys.argv) > 1 else None))

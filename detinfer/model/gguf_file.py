@@ -1,0 +1,333 @@
+"""GGUF loading: parse and validate a .gguf file into metadata plus memory-mapped tensor views.
+
+The file is parsed with the ``gguf`` package's reader (GGUF spec:
+https://github.com/ggml-org/ggml/blob/master/docs/gguf.md). Parsing a 49k-token vocabulary with the
+reader takes over a second, so the parsed result (metadata and tensor table, never weights) is kept in a
+content-addressed index under ``$DETINFER_HOME/index/header-<key>.json``, the key a sha256 of the file's size
+and its first HEADER_KEY_BYTES bytes. An index is only kept for a file whose header (everything before the
+tensor data) lies inside those bytes, so the same key always means the same index and it can never be stale.
+Weights stay quantized in the memory map. The sha256 of the whole file, which run manifests record, is
+computed by a background thread meanwhile (:attr:`ModelFile.sha256` waits for it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ..errors import GGUFError
+from ..fileio import load_json, sha256_file, write_cache
+from ..paths import detinfer_home
+
+INDEX_VERSION = 2
+HEADER_KEY_BYTES = 16 << 20  # Gemma 3's 262k-token header is ~6 MB
+
+# Tensor types the kernels implement; anything else is rejected at load, naming the tensor.
+SUPPORTED_TYPES = frozenset(
+    {
+        GGMLQuantizationType.F32,
+        GGMLQuantizationType.F16,
+        GGMLQuantizationType.BF16,
+        GGMLQuantizationType.Q8_0,
+        GGMLQuantizationType.Q4_0,
+        GGMLQuantizationType.Q4_1,
+        GGMLQuantizationType.Q5_0,
+        GGMLQuantizationType.Q5_1,
+        GGMLQuantizationType.Q4_K,
+        GGMLQuantizationType.Q5_K,
+        GGMLQuantizationType.Q6_K,
+    }
+)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a GGUF file.
+
+    ne: GGUF dimensions, innermost (contiguous) first, as in the file.
+    shape: numpy order (``ne`` reversed), e.g. ``(n_rows, n_cols)`` for a matrix.
+    offset: absolute byte offset of the data in the file; nbytes: its length in bytes.
+    """
+
+    name: str
+    ggml_type: GGMLQuantizationType
+    ne: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(reversed(self.ne))
+
+    @property
+    def type_name(self) -> str:
+        return self.ggml_type.name
+
+
+class _PlainReader(GGUFReader):
+    """The gguf reader over a plain ndarray view of its memory map: same parse, ~3x faster
+    (numpy's memmap subclass pays a Python-level hook on every one of ~10^6 small slices), and bounded.
+
+    The reader builds a Python list entry per array element from counts stored in the file, and its reads past
+    the end return empty arrays instead of failing: one corrupt count made it allocate until the kernel killed
+    the process (found by ``make fuzz``). Here a read past the end of the file, or more than ``MAX_READS`` reads
+    in one parse, raises ValueError, so a corrupt count costs bounded memory (~150 bytes per read).
+    """
+
+    # Gemma 3's 262k-token vocabulary takes ~1.05 million reads (text, length, score, type per token).
+    MAX_READS = 1 << 23
+
+    def __init__(self, path: Path):
+        self._reads = 0
+        super().__init__(path)
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+        self._reads += 1
+        if self._reads > self.MAX_READS:
+            raise ValueError(f"more than {self.MAX_READS} metadata items; a count in the file is corrupt")
+        end = int(offset) + np.dtype(dtype).itemsize * int(count)
+        if int(count) < 0 or end > self._plain.shape[0]:
+            raise ValueError(f"a read of bytes {offset}..{end} runs past the end of the file ({self._plain.shape[0]} bytes)")
+        return super()._get(offset, dtype, count, override_order)
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._plain
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._plain = value.view(np.ndarray)
+
+
+def _tensor_nbytes(ggml_type: GGMLQuantizationType, ne: tuple[int, ...]) -> int:
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    n = int(np.prod(ne, dtype=np.int64))
+    if ne[0] % block_size:
+        raise GGUFError(f"row length {ne[0]} is not a multiple of the {ggml_type.name} block size {block_size}")
+    return n // block_size * type_size
+
+
+def _parse(path: Path) -> dict[str, Any]:
+    """Parse ``path`` with the gguf reader into a JSON-able index: metadata and tensor table."""
+    try:
+        reader = _PlainReader(path)
+    except Exception as e:  # the reader raises ValueError, IndexError, OverflowError... on malformed input
+        detail = " ".join(str(e).split())  # one line, whatever the reader's message holds
+        raise GGUFError(
+            f"{path.name}: not a valid GGUF file, truncated or malformed ({type(e).__name__}: {detail}); "
+            "re-download or re-convert it"
+        ) from None
+    metadata: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            value = field.contents()
+        except Exception as e:
+            raise GGUFError(f"{path.name}: metadata key {key!r} cannot be read ({e})") from None
+        if isinstance(value, (np.integer, np.floating, np.bool_)):
+            value = value.item()
+        metadata[key] = value
+    tensors = []
+    for t in reader.tensors:
+        try:
+            ggml_type = GGMLQuantizationType(int(t.tensor_type))
+        except ValueError:
+            raise GGUFError(f"{path.name}: tensor {t.name!r} has unknown type id {int(t.tensor_type)}") from None
+        tensors.append([t.name, int(ggml_type), [int(x) for x in t.shape], int(t.data_offset)])
+    return {"index_version": INDEX_VERSION, "header_bytes": int(reader.data_offset), "metadata": metadata, "tensors": tensors}
+
+
+MAX_INDEX_BYTES = 1 << 30  # a cached index holds the whole vocabulary and merges
+
+
+class _Index(BaseModel):
+    """A cached index as :func:`_parse` writes it: (name, ggml type id, dims, data offset) per tensor."""
+
+    model_config = ConfigDict(extra="forbid")
+    index_version: Literal[INDEX_VERSION]  # type: ignore[valid-type]
+    header_bytes: int
+    metadata: dict[str, Any]
+    tensors: list[tuple[str, int, list[int], int]]
+
+
+def check_magic(path: Path) -> None:
+    """Raise GGUFError unless the file at ``path`` starts with the GGUF magic (a cheap check before a long job)."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise GGUFError(f"{path.name}: wrong magic {magic!r} (expected b'GGUF'); this is not a GGUF file")
+
+
+class ModelFile:
+    """A validated GGUF file: metadata, tensor table and zero-copy tensor data.
+
+    Raises GGUFError if the file is missing, not GGUF, truncated, has overlapping or out-of-file tensors,
+    or stores a tensor whose byte size does not match its type and dimensions.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, use_index: bool = True):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise GGUFError(f"model file not found: {self.path}; run `detinfer pull` or pass a path to a .gguf file")
+        self.size = self.path.stat().st_size
+        check_magic(self.path)
+        self._sha256: list[str] = []
+        self._hashing = threading.Thread(target=self._hash, daemon=True, name="gguf-sha256")
+        self._hashing.start()
+        index = self._load_index() if use_index else None
+        if index is not None:
+            try:
+                if not 0 < index["header_bytes"] <= min(HEADER_KEY_BYTES, self.size):
+                    raise GGUFError("the index describes bytes its key does not cover")
+                self._validate_index(index)
+            except (GGUFError, ValueError):  # a corrupt or forged cache file: rebuilt from the model file below
+                index = None
+        if index is None:
+            index = _parse(self.path)
+            self._validate_index(index)
+            if use_index and index["header_bytes"] <= HEADER_KEY_BYTES:  # else the key does not cover it
+                write_cache(self._index_path(), json.dumps(index).encode("utf-8"))
+        # whether caches keyed by header_key may hold values derived from this file (not for fuzzed inputs)
+        self.indexed = use_index and index["header_bytes"] <= HEADER_KEY_BYTES
+        self.metadata: dict[str, Any] = index["metadata"]
+        self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
+
+    def _hash(self) -> None:
+        try:
+            self._sha256.append(sha256_file(self.path))
+        except OSError:
+            pass  # reported by sha256 below, in the caller's thread
+
+    @property
+    def sha256(self) -> str:
+        """Hex sha256 of the whole file (waits for the background hash started when the file was opened).
+
+        Raises GGUFError if the file can no longer be read."""
+        self._hashing.join()
+        if not self._sha256:  # the read failed, or this is a forked child, in which the thread never ran
+            try:
+                self._sha256.append(sha256_file(self.path))
+            except OSError as e:
+                raise GGUFError(f"{self.path.name}: cannot read the file to hash it ({e.strerror or e})") from None
+        return self._sha256[0]
+
+    @cached_property
+    def header_key(self) -> str:
+        """Hex sha256 of the file's size and first HEADER_KEY_BYTES bytes: the key of its cached index."""
+        h = hashlib.sha256(b"%d:" % self.size)
+        with open(self.path, "rb") as f:
+            h.update(f.read(HEADER_KEY_BYTES))
+        return h.hexdigest()
+
+    def _index_path(self) -> Path:
+        return self._header_path("json")
+
+    def _header_path(self, suffix: str) -> Path:
+        return detinfer_home() / "index" / f"header-{self.header_key}.{suffix}"
+
+    def derived_cache_path(self, name: str) -> Path | None:
+        """Where to cache a value computed from this file's metadata only (``index/header-<key>.<name>``), or
+        None if the file is not indexed (opened with ``use_index=False``, or a header past HEADER_KEY_BYTES)."""
+        return self._header_path(name) if self.indexed else None
+
+    def _load_index(self) -> dict[str, Any] | None:
+        """The cached index if it is a valid one (bounded JSON, the _Index schema), else None (rebuild it)."""
+        try:
+            index = load_json(self._index_path(), GGUFError, "index cache", max_bytes=MAX_INDEX_BYTES)
+            _Index.model_validate(index)
+            return index
+        except (GGUFError, ValidationError):
+            return None
+
+    def _validate_index(self, index: dict[str, Any]) -> None:
+        self.tensors: dict[str, TensorInfo] = {}
+        for name, type_id, ne, offset in index["tensors"]:
+            ggml_type = GGMLQuantizationType(type_id)
+            ne = tuple(ne)
+            if any(d <= 0 for d in ne):
+                raise GGUFError(f"{self.path.name}: tensor {name!r} has an empty dimension {ne}")
+            try:
+                nbytes = _tensor_nbytes(ggml_type, ne)
+            except GGUFError as e:
+                raise GGUFError(f"{self.path.name}: tensor {name!r}: {e}") from None
+            if offset < 0 or offset + nbytes > self.size:
+                raise GGUFError(
+                    f"{self.path.name}: tensor {name!r} ends at byte {offset + nbytes} but the file has "
+                    f"{self.size} bytes; the file is truncated, re-download it"
+                )
+            if name in self.tensors:
+                raise GGUFError(f"{self.path.name}: tensor {name!r} appears twice")
+            self.tensors[name] = TensorInfo(name, ggml_type, ne, offset, nbytes)
+        spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in self.tensors.values())
+        for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+            if start < end:
+                raise GGUFError(f"{self.path.name}: tensors {a!r} and {b!r} overlap")
+
+    @cached_property
+    def architecture(self) -> str:
+        return str(self.require("general.architecture"))
+
+    def require(self, key: str) -> Any:
+        """Metadata value for ``key``; GGUFError naming the key if absent."""
+        if key not in self.metadata:
+            raise GGUFError(f"{self.path.name}: metadata key {key!r} is missing")
+        return self.metadata[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+    def tensor_data(self, name: str) -> np.ndarray:
+        """Raw bytes of tensor ``name`` as a read-only uint8 view of the memory map, shape (n_rows, row_bytes).
+
+        Raises GGUFError if the tensor is missing or its type is not supported by the engine.
+        """
+        info = self.tensor(name)
+        if info.ggml_type not in SUPPORTED_TYPES:
+            raise GGUFError(
+                f"{self.path.name}: tensor {name!r} has type {info.type_name}, which detinfer does not support "
+                f"(supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))})"
+            )
+        raw = self._mmap[info.offset : info.offset + info.nbytes]
+        n_rows = int(np.prod(info.ne[1:], dtype=np.int64)) if len(info.ne) > 1 else 1
+        return raw.view(np.ndarray).reshape(n_rows, info.nbytes // n_rows)
+
+    def read_tensor(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """A private copy of rows ``start:stop`` (default all) of tensor ``name``, uint8 (n_rows, row_bytes),
+        read from the file.
+
+        Used for weights that are repacked at load: reading (not mapping) keeps the file's pages out of the
+        process's resident set once the repacked copy exists.
+        """
+        view = self.tensor_data(name)[start:stop]
+        with open(self.path, "rb") as f:
+            f.seek(self.tensor(name).offset + start * view.shape[1])
+            data = np.fromfile(f, dtype=np.uint8, count=view.size)
+        if data.size != view.size:
+            raise GGUFError(f"{self.path.name}: tensor {name!r} is cut short; the file is truncated, re-download it")
+        return data.reshape(view.shape)
+
+    def tensor(self, name: str) -> TensorInfo:
+        if name not in self.tensors:
+            raise GGUFError(f"{self.path.name}: tensor {name!r} is missing")
+        return self.tensors[name]
+
+    def type_counts(self) -> dict[str, int]:
+        """Number of tensors of each type, e.g. {'F32': 61, 'Q4_1': 210, 'Q8_0': 1}."""
+        counts: dict[str, int] = {}
+        for t in self.tensors.values():
+            counts[t.type_name] = counts.get(t.type_name, 0) + 1
+        return dict(sorted(counts.items()))
+
+    def n_params(self) -> int:
+        return sum(int(np.prod(t.ne, dtype=np.int64)) for t in self.tensors.values())

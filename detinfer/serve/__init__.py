@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: protocol models, the one decode worker, routes per endpoint, tool-call parsers."""

@@ -1,0 +1,271 @@
+"""OpenAI's Responses API (``POST /v1/responses``) on top of the chat completions machinery.
+
+A request's ``instructions`` and ``input`` items become chat messages (``message`` items by role, consecutive
+``function_call`` items one assistant message with ``tool_calls``, ``function_call_output`` items ``tool`` messages),
+its flat function tools chat ``tools``; the prompt is rendered, generated, recorded and replayed exactly like a chat
+completion's. ``previous_response_id`` names an earlier response of this server: its conversation (input and reply,
+without its instructions; kept in memory for the last ``MAX_REMEMBERED`` responses) comes before the new input. Output items are the
+reply's text (a ``message``) and its calls (``function_call`` items); ids derive from the prompt and sampling,
+never random. Streaming sends the Responses event sequence (``response.created`` ... ``response.completed``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import OrderedDict
+from typing import Any, Literal
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import Field, ValidationError
+
+from ..compute.generate import GenerationResult
+from ..records.manifest import tokens_sha256
+from .server import ApiError, ChatRequest, Job, Server, _BoundedStream, _Req, _validation_error
+from .tool_calls import Reply, StreamSplitter
+
+MAX_REMEMBERED = 256  # responses whose conversation previous_response_id can continue
+
+
+class FunctionTool(_Req):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class TextFormat(_Req):
+    type: Literal["text"]
+
+
+class TextOptions(_Req):
+    format: TextFormat | None = None
+    verbosity: Literal["medium"] | None = None
+
+
+class NamedFunction(_Req):
+    """The Responses API's named tool choice (flat, unlike chat completions' ``{"function": {"name"}}``)."""
+
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesRequest(_Req):
+    """The Responses parameters detinfer honours; any other is a 400 naming it (never silently ignored)."""
+
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = None
+    previous_response_id: str | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    max_output_tokens: int | None = Field(None, ge=1)
+    stream: bool | None = False
+    store: bool | None = None  # responses are kept in memory either way (for previous_response_id)
+    metadata: dict[str, str] | None = None
+    include: list[str] | None = Field(None, max_length=0)  # nothing extra can be included
+    truncation: Literal["disabled"] | None = None
+    text: TextOptions | None = None
+    user: str | None = None
+
+
+def _text(content: Any, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(400, f"{param}: expected a string or a list of text parts", param=param, code="invalid_value")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ApiError(400, f"{param}.{j}: only text parts are supported, got {kind!r}", param=f"{param}.{j}", code="unsupported_value")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The chat messages (OpenAI chat shape) of ``input``; ApiError naming an item it cannot honour."""
+    messages: list[dict[str, Any]] = []
+    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    for i, item in enumerate(items):
+        param, kind = f"input.{i}", item.get("type", "message")
+        if kind == "message" and item.get("role") in ("system", "developer", "user", "assistant"):
+            messages.append({"role": item["role"], "content": _text(item.get("content"), f"{param}.content")})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function", "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and (last.get("tool_calls") or i > 0 and items[i - 1].get("role") == "assistant"):
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": _text(item.get("output"), f"{param}.output")})
+        else:
+            raise ApiError(400, f"{param}: input items of type {kind!r} are not supported (message, function_call, "
+                                "function_call_output are)", param=param, code="unsupported_value")  # fmt: skip
+    return messages
+
+
+def _id(prefix: str, job: Job, i: int = 0) -> str:
+    """A response's or item's id: a hash of everything its output depends on (prompt, sampling, limits)."""
+    key = f"{prefix}:{tokens_sha256(job.prompt)}:{job.params.model_dump_json()}:{job.max_tokens}:{json.dumps(job.stop)}:{i}"
+    return f"{prefix}_" + hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def output_items(reply: Reply, job: Job) -> list[dict[str, Any]]:
+    """The Responses ``output`` of a reply: a ``message`` item for its text, a ``function_call`` item per call."""
+    items: list[dict[str, Any]] = []
+    if reply.content is not None:
+        items.append({"type": "message", "id": _id("msg", job), "status": "completed", "role": "assistant",
+                      "content": [{"type": "output_text", "text": reply.content, "annotations": [], "logprobs": []}]})  # fmt: skip
+    for i, call in enumerate(reply.tool_calls):
+        items.append({"type": "function_call", "id": _id("fc", job, i), "call_id": call["id"], "status": "completed",
+                      "name": call["function"]["name"], "arguments": call["function"]["arguments"]})  # fmt: skip
+    return items
+
+
+class Responses:
+    """The /v1/responses endpoint of one Server, with the conversations of its recent responses."""
+
+    def __init__(self, server: Server):
+        self.server = server
+        self.remembered: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+
+    def _chat_request(self, req: ResponsesRequest) -> tuple[ChatRequest, list[dict[str, Any]]]:
+        """The equivalent chat request, and the conversation (without instructions) a later response may continue."""
+        messages = input_messages(req)
+        if req.previous_response_id is not None:
+            if req.previous_response_id not in self.remembered:
+                raise ApiError(400, f"previous_response_id {req.previous_response_id!r} is not one of the last {MAX_REMEMBERED} "
+                                    "responses of this server; send the whole conversation as input",
+                               param="previous_response_id", code="invalid_value")  # fmt: skip
+            messages = self.remembered[req.previous_response_id] + messages
+        # instructions are the request's own: a previous response's do not carry over (as OpenAI's)
+        rendered = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + messages
+        tools = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)} for t in req.tools or []]
+        choice = req.tool_choice
+        if isinstance(choice, NamedFunction):
+            choice = {"type": "function", "function": {"name": choice.name}}
+        chat = {"model": req.model, "messages": rendered, "tools": tools or None, "tool_choice": choice,
+                "parallel_tool_calls": req.parallel_tool_calls, "temperature": req.temperature, "top_p": req.top_p,
+                "max_completion_tokens": req.max_output_tokens, "stream": req.stream, "user": req.user}  # fmt: skip
+        try:
+            return ChatRequest.model_validate({k: v for k, v in chat.items() if v is not None}), messages
+        except ValidationError as e:
+            raise _validation_error(e) from None
+
+    def _remember(self, job: Job, messages: list[dict[str, Any]], reply: Reply) -> str:
+        response_id = _id("resp", job)
+        self.remembered[response_id] = messages + [reply.message()]
+        self.remembered.move_to_end(response_id)
+        while len(self.remembered) > MAX_REMEMBERED:
+            self.remembered.popitem(last=False)
+        return response_id
+
+    def _body(self, req: ResponsesRequest, response_id: str | None, created: int, output: list, res: GenerationResult | None,
+              n_prompt: int) -> dict[str, Any]:  # fmt: skip
+        incomplete = res is not None and res.stop_reason in ("max_tokens", "length")
+        status = "in_progress" if res is None else "incomplete" if incomplete else "completed"
+        body = {"id": response_id, "object": "response", "created_at": created, "status": status, "model": self.server.model_id,
+                "output": output, "instructions": req.instructions, "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+                "tool_choice": req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedFunction) else req.tool_choice or "auto", "parallel_tool_calls": req.parallel_tool_calls is not False,
+                "temperature": 1.0 if req.temperature is None else req.temperature, "top_p": 1.0 if req.top_p is None else req.top_p,
+                "max_output_tokens": req.max_output_tokens, "previous_response_id": req.previous_response_id,
+                "metadata": req.metadata or {}, "text": {"format": {"type": "text"}}, "truncation": "disabled", "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "store": req.store is not False,
+                "user": req.user, "usage": None}  # fmt: skip
+        if res is not None:
+            body["usage"] = {"input_tokens": n_prompt, "input_tokens_details": {"cached_tokens": res.reused_tokens},
+                             "output_tokens": len(res.tokens), "output_tokens_details": {"reasoning_tokens": 0},
+                             "total_tokens": n_prompt + len(res.tokens)}  # fmt: skip
+        return body
+
+    async def serve(self, request: Request, data: dict) -> Response:
+        try:
+            req = ResponsesRequest.model_validate(data)
+        except ValidationError as e:
+            raise _validation_error(e) from None
+        chat, messages = self._chat_request(req)
+        chat.check()
+        job, events, release = await self.server.submit(chat)
+        created = int(time.time())
+        if req.stream:
+            return _BoundedStream(self._events(req, job, events, release, messages, created), self.server.settings.send_timeout,
+                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})  # fmt: skip
+        done = await self.server.collect(request, job, events, release)
+        if done is None:
+            return Response(status_code=499)
+        res, _ = done
+        reply = job.reply(res)
+        body = self._body(req, self._remember(job, messages, reply), created, output_items(reply, job), res, len(job.prompt))
+        return JSONResponse(body, headers={"x-detinfer-output-sha256": tokens_sha256(res.tokens), "x-detinfer-kv-sha256": res.kv_sha256})
+
+    async def _events(self, req: ResponsesRequest, job: Job, events, release, messages: list[dict[str, Any]], created: int):
+        """The Responses event stream: text deltas as they are generated (call markup held back), then the items."""
+        seq = 0
+
+        def event(kind: str, **fields: Any) -> str:
+            nonlocal seq
+            seq += 1
+            return f"event: {kind}\ndata: " + json.dumps({"type": kind, "sequence_number": seq - 1, **fields}, ensure_ascii=False) + "\n\n"
+
+        splitter = StreamSplitter(job.tool_format) if job.tool_format is not None else None
+        streamed, message_open = "", False
+        pending = self._body(req, _id("resp", job), created, [], None, len(job.prompt))
+        message_id = _id("msg", job)
+
+        def text_delta(delta: str) -> list[str]:
+            nonlocal streamed, message_open
+            out = []
+            if not message_open:
+                message_open = True
+                item = {"type": "message", "id": message_id, "status": "in_progress", "role": "assistant", "content": []}
+                out += [event("response.output_item.added", output_index=0, item=item),
+                        event("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
+                              part={"type": "output_text", "text": "", "annotations": []})]  # fmt: skip
+            streamed += delta
+            out.append(event("response.output_text.delta", item_id=message_id, output_index=0, content_index=0, delta=delta, logprobs=[]))
+            return out
+
+        try:
+            yield event("response.created", response=pending)
+            yield event("response.in_progress", response=pending)
+            while True:
+                kind, payload = await events.get()
+                if kind == "error":
+                    yield event("error", code=payload.code, message=payload.message, param=payload.param)
+                    return
+                if kind == "step":
+                    delta = payload.text if splitter is None else splitter.feed(payload.text)
+                    for chunk in text_delta(delta) if delta else []:
+                        yield chunk
+                    continue
+                break
+            res: GenerationResult = payload
+            reply = job.reply(res)
+            rest = splitter.rest(reply, res.text) if splitter is not None else ""
+            for chunk in text_delta(rest) if rest else []:
+                yield chunk
+            items = output_items(reply, job)
+            for index, item in enumerate(items):
+                if item["type"] == "message":  # its text was streamed above
+                    part = item["content"][0]
+                    yield event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0, text=part["text"], logprobs=[])
+                    yield event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part)
+                else:
+                    yield event("response.output_item.added", output_index=index, item=dict(item, arguments="", status="in_progress"))
+                    yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=item["arguments"])
+                    yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index, arguments=item["arguments"])
+                yield event("response.output_item.done", output_index=index, item=item)
+            body = self._body(req, self._remember(job, messages, reply), created, items, res, len(job.prompt))
+            body["detinfer"] = {"output_sha256": tokens_sha256(res.tokens), "kv_sha256": res.kv_sha256}
+            yield event("response.completed" if body["status"] == "completed" else "response.incomplete", response=body)
+        finally:
+            job.cancel.set()
+            release()
