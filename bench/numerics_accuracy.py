@@ -25,10 +25,10 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from detinfer.model.config import ModelConfig
-from detinfer.model.gguf_file import ModelFile
 from detinfer.compute.kernels import rope_table
 from detinfer.compute.numerics import exp32, log32, pow64, sincos64
+from detinfer.model.config import ModelConfig
+from detinfer.model.gguf_file import ModelFile
 from detinfer.model.registry import resolve_model
 
 MODELS = ("smollm2-135m-instruct-q4_1", "gemma3-270m-q4_k_m")

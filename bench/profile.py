@@ -27,12 +27,12 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
+from detinfer.bench.report import PROFILE_BEGIN, PROFILE_END, kept_section
 from detinfer.compute import kernels
 from detinfer.compute.engine import Engine, set_threads
-from detinfer.bench.report import PROFILE_BEGIN, PROFILE_END, kept_section
 from detinfer.fileio import atomic_write_text
-from detinfer.records.machine import describe, machine
 from detinfer.model.weights import QMatrix
+from detinfer.records.machine import describe, machine
 
 TEXT = " ".join(f"item {i}: the quick brown fox jumps over the lazy dog." for i in range(400))
 KERNEL_GROUPS = {

@@ -70,7 +70,12 @@ def ray_overhead(n: int) -> dict:
     """On a running local cluster with 2 warm actors: per item, driver-observed latency (dispatch to result)
     minus the seconds the item ran inside its worker; and the cluster's start time."""
     sys.path.insert(0, str(ROOT))
-    from detinfer.integrations.batch import batch_failed, batch_task, BatchItem, BatchLine
+    from detinfer.integrations.batch import (
+        BatchItem,
+        BatchLine,
+        batch_failed,
+        batch_task,
+    )
     from detinfer.integrations.distributed import connect, run_on_ray
 
     items = [BatchItem(i + 1, line["id"], BatchLine.model_validate(line), None) for i, line in enumerate(batch_lines(n, 1))]

@@ -42,7 +42,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType
+from gguf import (
+    GGML_QUANT_SIZES,
+    GGMLQuantizationType,
+    GGUFWriter,
+    LlamaFileType,
+    TokenType,
+)
 from kernels import synthetic_rows
 from tokenizers import pre_tokenizers
 

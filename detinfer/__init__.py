@@ -4,12 +4,23 @@
 ``llm.session`` run it; ``detinfer.verify(paths)`` re-executes recorded runs. See detinfer/api.py; the README's "Where things are" maps the subpackages.
 """
 
-from .version import __version__
 from .compute.jit import configure as _configure_jit
+from .version import __version__
 
 _configure_jit()  # before any kernel compiles
 
-from .api import Constraint, LLM, Result, Sampling, SessionResult, Step, Stream, VerifyResult, load, verify  # noqa: E402
+from .api import (  # noqa: E402
+    LLM,
+    Constraint,
+    Result,
+    Sampling,
+    SessionResult,
+    Step,
+    Stream,
+    VerifyResult,
+    load,
+    verify,
+)
 from .errors import DetinferError  # noqa: E402
 
 __all__ = ["Constraint", "DetinferError", "LLM", "Result", "Sampling", "SessionResult", "Step", "Stream", "VerifyResult", "load", "verify", "__version__"]

@@ -19,67 +19,32 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Generator, Iterable, Sequence, TypedDict
+from typing import Any, Callable, Generator, Iterable
 
-from typing_extensions import Unpack
-
-from .model.chat import ChatTemplate, validate_messages
 from .compute.constrain import Constraint, check_ignore_eos
 from .compute.engine import DEFAULT_CHUNK, Engine, set_threads
-from .errors import InputError
 from .compute.generate import Step, check_prompt
-from .records.manifest import RunManifest, SamplingRecord
 from .compute.prefix_cache import PrefixCache
-from .records.run import build_prompt, execute_steps, sampling_record
-from .compute.sampler import SamplingParams
-from .records.session import SessionRecord, SessionScript, load_script, parse_script, run_session, write_session
-from .records.verify import VerifyResult, verify as verify_paths
+from .compute.sampling import Sampling
+from .errors import InputError
+from .model.chat import ChatTemplate, validate_messages
+from .records.manifest import RunManifest
+from .records.run import build_prompt, execute_steps
+from .records.session import (
+    SessionRecord,
+    SessionScript,
+    load_script,
+    parse_script,
+    run_session,
+    write_session,
+)
+from .records.verify import VerifyResult
+from .records.verify import verify as verify_paths
 
 __all__ = ["Constraint", "LLM", "Result", "Sampling", "SessionResult", "Step", "Stream", "VerifyResult", "load", "verify"]
 
 # OpenAI's finish_reason for each stop reason (an end-of-generation token or a stop string is "stop").
 FINISH_REASON = {"eos": "stop", "stop": "stop", "max_tokens": "length", "length": "length"}
-
-
-class Sampling(TypedDict, total=False):
-    """Sampling options of :meth:`LLM.complete`, :meth:`LLM.chat` and :meth:`LLM.stream` (all optional).
-
-    max_tokens (default 128, >= 1); temperature (0 = greedy, ties to the lowest token id); top_k (0 = off);
-    top_p (in (0, 1]); min_p (in [0, 1)); repeat_penalty (> 0, 1 = off) over the last repeat_last_n tokens;
-    seed (0 <= seed < 2**64; recorded); stop (a string or a list: generation stops before it, never emitting it);
-    ignore_eos (do not stop at end-of-generation tokens). An unknown or invalid value raises InputError.
-    """
-
-    max_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    repeat_penalty: float
-    repeat_last_n: int
-    seed: int
-    stop: str | Sequence[str]
-    ignore_eos: bool
-
-
-def sampling_from(options: dict[str, Any]) -> SamplingRecord:
-    """The manifest's sampling record of :class:`Sampling` options; raises InputError naming a bad option."""
-    unknown = sorted(set(options) - set(Sampling.__annotations__))
-    if unknown:
-        raise InputError(f"unknown sampling option {unknown[0]!r}; use {', '.join(Sampling.__annotations__)}")
-    o = dict(options)
-    stop = o.pop("stop", ())
-    stop = [stop] if isinstance(stop, str) else list(stop)
-    if not all(isinstance(s, str) for s in stop):
-        raise InputError(f"stop must be a string or a list of strings, got {stop!r}")
-    max_tokens, ignore_eos = o.pop("max_tokens", 128), o.pop("ignore_eos", False)
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-        raise InputError(f"max_tokens must be an int, got {max_tokens!r}")
-    if not isinstance(ignore_eos, bool):
-        raise InputError(f"ignore_eos must be true or false, got {ignore_eos!r}")
-    if "repeat_penalty" in o:
-        o["repetition_penalty"] = o.pop("repeat_penalty")
-    return sampling_record(SamplingParams.create(**o), max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos)
 
 
 @dataclass(frozen=True, eq=False)
@@ -213,7 +178,7 @@ class LLM:
     def __repr__(self) -> str:
         return f"LLM({self.engine.model_file.path.name!r}, n_ctx={self.n_ctx}, kv_type={self.engine.kv_type!r})"
 
-    def complete(self, prompt: str, *, constraint: Constraint | None = None, **sampling: Unpack[Sampling]) -> Result:
+    def complete(self, prompt: str, *, constraint: Constraint | None = None, **sampling: Any) -> Result:
         """Continue ``prompt`` (plain text, tokenized as typed with the model's BOS). Returns a :class:`Result`.
         ``constraint`` (e.g. ``Constraint.create("regex", "[0-9]+")``) makes the output match a grammar (recorded).
 
@@ -222,7 +187,7 @@ class LLM:
         return self.stream(prompt, constraint=constraint, **sampling).finish()
 
     def chat(self, messages: str | list[dict[str, Any]], *, constraint: Constraint | None = None,
-             **sampling: Unpack[Sampling]) -> Result:  # fmt: skip
+             **sampling: Any) -> Result:  # fmt: skip
         """Answer a conversation: ``messages`` is a list of ``{"role", "content"}`` dicts (or a string: one user
         message) rendered by the chat template (the model's, or ``load(chat_template=...)``); ``constraint`` as
         for :meth:`complete` (e.g. ``json_schema_constraint(schema)`` from detinfer.constrain).
@@ -232,7 +197,7 @@ class LLM:
 
     def stream(self, prompt: str | None = None, *, messages: str | list[dict[str, Any]] | None = None,
                chunk_size: int = DEFAULT_CHUNK, constraint: Constraint | None = None,
-               **sampling: Unpack[Sampling]) -> Stream:  # fmt: skip
+               **sampling: Any) -> Stream:  # fmt: skip
         """Generate step by step: a completion of ``prompt``, or a chat answer to ``messages`` (exactly one of
         them). Returns a :class:`Stream` of Steps whose ``result`` is set at the end. ``chunk_size`` (prefill
         tokens per chunk) never changes a result. Raises like :meth:`complete` and :meth:`chat`, at the call."""
@@ -240,7 +205,7 @@ class LLM:
             raise InputError("give exactly one of prompt (a completion) or messages (a chat)")
         if chunk_size < 1:
             raise InputError(f"chunk_size must be at least 1, got {chunk_size}")
-        record = sampling_from(sampling)
+        record = Sampling.create(**sampling)
         check_ignore_eos(constraint, record.ignore_eos)
         if messages is not None:
             text, msgs = (messages, None) if isinstance(messages, str) else (None, validate_messages(messages))

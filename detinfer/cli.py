@@ -63,9 +63,9 @@ def _fail(e: DetinferError) -> None:
 def _fan_out(verb: str, task, payloads: list, failed, *, ray: Optional[str], threads: Optional[int], actors: Optional[int], on_result=None) -> list:
     """Run ``task`` over ``payloads`` here or on Ray (distributed.fan_out) with progress on stderr; results in input order.
     Ctrl-C stops the run (exit 130) and keeps what was already written."""
+    from .compute.engine import set_threads
     from .integrations.batch import ItemProgress
     from .integrations.distributed import check_address, fan_out, import_ray
-    from .compute.engine import set_threads
 
     try:
         if ray is None:
@@ -126,7 +126,8 @@ def pull(
     force: Annotated[bool, typer.Option(help="Download again even if present.")] = False,
 ) -> None:
     """Download a registry model into $DETINFER_HOME/models and verify its sha256."""
-    from .model.registry import DEFAULT_MODEL, pull as do_pull
+    from .model.registry import DEFAULT_MODEL
+    from .model.registry import pull as do_pull
 
     try:
         path = do_pull(name or DEFAULT_MODEL, force=force)
@@ -152,9 +153,9 @@ def info(
     ctx: CtxOpt = 4096,
 ) -> None:
     """Show a model's config, tensor types, parameter count and KV cache size."""
+    from .compute.kvcache import KV_TYPES, kv_bytes_per_number
     from .model.config import ModelConfig
     from .model.gguf_file import ModelFile
-    from .compute.kvcache import KV_TYPES, kv_bytes_per_number
     from .model.registry import resolve_model
 
     try:
@@ -216,8 +217,14 @@ def _run_batch(cli_ctx: typer.Context, batch: Path, out_dir: Optional[Path], res
                kv_type: str, threads: Optional[int], ray: Optional[str], actors: Optional[int]) -> None:
     """`run --batch`: every line of the JSONL file becomes --out-dir/<id>.json, written as it finishes; exit 2 if a
     line is bad input (the others still run)."""
-    from .integrations.batch import BAD_INPUT, BatchWriter, batch_failed, batch_task, read_batch
     from .compute.kvcache import parse_kv_type
+    from .integrations.batch import (
+        BAD_INPUT,
+        BatchWriter,
+        batch_failed,
+        batch_task,
+        read_batch,
+    )
     from .model.registry import REGISTRY
 
     try:
@@ -289,11 +296,12 @@ def run(
     actors: ActorsOpt = None,
 ) -> None:
     """Generate text and record a run manifest; re-execute one with --manifest; or run a JSONL batch with --batch."""
-    from .api import load, sampling_from
+    from .api import load
     from .compute.constrain import check_ignore_eos
-    from .model.chat import load_messages
     from .compute.engine import set_threads
     from .compute.kvcache import parse_kv_type
+    from .compute.sampling import Sampling
+    from .model.chat import load_messages
     from .records.manifest import load_manifest, write_manifest
     from .records.run import engine_for_manifest, reexecute
 
@@ -344,8 +352,8 @@ def run(
         if chat_template is not None and not chat and msgs is None:
             raise InputError("--chat-template formats a chat prompt; add --chat (or use --messages)")
         options = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                       repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed, stop=stop or [], ignore_eos=ignore_eos)
-        sampling_from(options)  # bad sampling values fail before the model is loaded
+                       repetition_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed, stop=stop or [], ignore_eos=ignore_eos)
+        Sampling.create(**options)  # bad sampling values fail before the model is loaded
         constraint = _constraint_option(json_schema, json_object, regex, grammar)
         check_ignore_eos(constraint, ignore_eos)
         llm = load(model, n_ctx=ctx, kv_type=kv_type, threads=threads, chat_template=chat_template)
@@ -389,9 +397,9 @@ def verify(
     from rich.progress import Progress
 
     from .api import verify as verify_paths
+    from .compute.engine import set_threads
     from .integrations.batch import verify_failed, verify_task
     from .integrations.ci_report import github_annotations, write_junit
-    from .compute.engine import set_threads
     from .records.machine import describe, short
     from .records.verify import BAD_INPUT, MATCH, collect, exit_code, to_json_lines
 
@@ -508,10 +516,10 @@ def session_run(
     quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
 ) -> None:
     """Run a scripted multi-turn session and record it (written after every turn)."""
-    from .model.chat import ChatTemplate
     from .compute.engine import Engine, set_threads
     from .compute.kvcache import parse_kv_type
     from .compute.prefix_cache import PrefixCache
+    from .model.chat import ChatTemplate
     from .records.session import load_script, run_session
 
     try:
@@ -549,9 +557,15 @@ def replay(
     import json as _json
     from functools import partial
 
-    from .integrations.batch import BAD_INPUT, replay_failed, replay_task, run_local, session_files
     from .compute.engine import Engine, set_threads
     from .compute.prefix_cache import PrefixCache
+    from .integrations.batch import (
+        BAD_INPUT,
+        replay_failed,
+        replay_task,
+        run_local,
+        session_files,
+    )
     from .records.session import load_script, load_session, run_session
 
     warn = lambda msg: err.print(f"[yellow]warning:[/] {escape(msg)}")  # noqa: E731
@@ -621,10 +635,17 @@ def chat(
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n")] = 256,
 ) -> None:
     """Interactive multi-turn chat (empty line or EOF ends it); recorded turn by turn with --record."""
-    from .model.chat import ChatTemplate
     from .compute.engine import Engine, set_threads
     from .compute.kvcache import parse_kv_type
-    from .records.session import Conversation, TurnSampling, effective_sampling, new_record, run_turn, write_session
+    from .compute.sampling import SamplingOverrides
+    from .model.chat import ChatTemplate
+    from .records.session import (
+        Conversation,
+        effective_sampling,
+        new_record,
+        run_turn,
+        write_session,
+    )
 
     try:
         _check_outputs({"--record": record_path})
@@ -633,7 +654,7 @@ def chat(
         template = ChatTemplate.from_option(chat_template) if chat_template is not None else None
         engine = Engine.load(model, n_ctx=ctx, kv_type=kv_type)
         _compile_kernels(engine)
-        sampling = effective_sampling(TurnSampling(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens), None)
+        sampling = effective_sampling(SamplingOverrides(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens), None)
         conv, cache, turns = Conversation(engine, template), engine.new_cache(), []
         while True:
             try:
@@ -690,9 +711,10 @@ def serve(
     read_timeout: Annotated[float, typer.Option("--read-timeout", min=0.1, help="Seconds a client has to send a request's headers, and then its body.")] = 10.0,
 ) -> None:
     """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
-    from .serve import listen
     from .api import load
-    from .serve.server import ServerSettings, create_app
+    from .serve import listen
+    from .serve.app import create_app
+    from .serve.serving import ServerSettings
 
     try:
         _check_outputs({}, {"--record": record_dir})
@@ -750,8 +772,14 @@ def bench(
     idle machine."""
     if cli_ctx.invoked_subcommand is not None:
         return
-    from .bench.suite import DEFAULT_MODELS, Options, parse_counts, parse_isas, run_suite
     from .bench.report import display_name, figure_label
+    from .bench.suite import (
+        DEFAULT_MODELS,
+        Options,
+        parse_counts,
+        parse_isas,
+        run_suite,
+    )
 
     try:
         opts = Options(models=tuple(models or (() if large_models else DEFAULT_MODELS)), large_models=tuple(large_models or ()),
@@ -784,8 +812,14 @@ def bench_kv(
     markdown: Annotated[Path, typer.Option("--markdown", help="Markdown regenerated from the results.")] = Path("docs/benchmarks.md"),
 ) -> None:
     """Greedy generation with the KV cache vs recomputing the whole sequence every token: same tokens, timed, plotted."""
+    from .bench.kv import (
+        DEFAULT_TARGETS,
+        check_kv_options,
+        context_for,
+        kv_curve,
+        plot_kv,
+    )
     from .bench.suite import add_kv_curve
-    from .bench.kv import DEFAULT_TARGETS, check_kv_options, context_for, kv_curve, plot_kv
     from .compute.engine import Engine, set_threads
     from .model.registry import DEFAULT_MODEL
 
@@ -818,7 +852,8 @@ def bench_constraint(
     runs: Annotated[int, typer.Option("--runs", help="Runs per arm, interleaved; the minimum of each is compared.")] = 5,
 ) -> None:
     """Decode time with a JSON-schema constraint (the allowed-token mask) vs without: same prompt, same token count."""
-    from .bench.constraint import OVERHEAD_LIMIT, bench_constraint as run_bench, check_options
+    from .bench.constraint import OVERHEAD_LIMIT, check_options
+    from .bench.constraint import bench_constraint as run_bench
     from .compute.engine import Engine, set_threads
 
     try:

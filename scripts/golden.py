@@ -19,11 +19,11 @@ from pathlib import Path
 from detinfer.api import Result
 from detinfer.compute.constrain import Constraint
 from detinfer.compute.engine import Engine
-from detinfer.compute.sampler import SamplingParams
+from detinfer.compute.sampling import Sampling
 from detinfer.errors import DetinferError
 from detinfer.model.chat import ChatTemplate
 from detinfer.records.manifest import load_manifest, write_manifest
-from detinfer.records.run import build_prompt, execute, sampling_record
+from detinfer.records.run import build_prompt, execute
 
 ROOT = Path(__file__).resolve().parent.parent
 LONG_TEXT = " ".join(
@@ -90,7 +90,7 @@ def run_case(engines: dict, case: Case, model: str | None = None) -> Result:
     engine = engines[key]
     template = ChatTemplate.from_option(case.chat_template) if case.chat_template else None
     prompt = build_prompt(engine, text=case.text, chat=case.chat, template=template)
-    sampling = sampling_record(SamplingParams.create(**case.sampling), max_tokens=case.max_tokens, stop=case.stop, ignore_eos=case.ignore_eos)
+    sampling = Sampling.create(**case.sampling, max_tokens=case.max_tokens, stop=list(case.stop), ignore_eos=case.ignore_eos)
     constraint = Constraint.create(*case.constraint) if case.constraint else None
     return Result(execute(engine, prompt, sampling, template=template, constraint=constraint), engine)
 

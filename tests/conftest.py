@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from detinfer.paths import detinfer_home
 from detinfer.model.registry import DEFAULT_MODEL, ensure_model
+from detinfer.paths import detinfer_home
 
 # Tests that give the CLI an empty $DETINFER_HOME share one store of repacked weights (content-addressed, so
 # sharing it is safe) instead of writing 100-250 MB into every temporary home.

@@ -232,11 +232,12 @@ def gguf_fields(data: bytes) -> GGUFFields:
 def build_corpus(folder: Path) -> Corpus:
     """Write every valid input once (the tiny model, a manifest, a session, a .detkv) and read them back as bytes."""
     from detinfer.compute.engine import Engine
+    from detinfer.compute.sampling import Sampling, SamplingOverrides
     from detinfer.model.gguf_file import ModelFile
     from detinfer.records.kvfile import save_kv
-    from detinfer.records.manifest import SamplingRecord, write_manifest
+    from detinfer.records.manifest import write_manifest
     from detinfer.records.run import build_prompt, execute
-    from detinfer.records.session import ScriptTurn, TurnSampling, run_session, write_session
+    from detinfer.records.session import ScriptTurn, run_session, write_session
 
     folder.mkdir(parents=True, exist_ok=True)
     corpus = Corpus(folder)
@@ -247,12 +248,12 @@ def build_corpus(folder: Path) -> Corpus:
     base = next(iter(gguf_variants_valid_paths(folder)))
     engine = corpus.engine = Engine(ModelFile(base, use_index=False), n_ctx=64)
     prompt = build_prompt(engine, messages=[{"role": "user", "content": "hi there"}], chat=True)
-    sampling = SamplingRecord(temperature=0.8, top_k=40, top_p=0.9, min_p=0.0, repetition_penalty=1.1, repeat_last_n=64,
+    sampling = Sampling(temperature=0.8, top_k=40, top_p=0.9, min_p=0.0, repetition_penalty=1.1, repeat_last_n=64,
                               seed=7, max_tokens=4, stop=["."], ignore_eos=False)  # fmt: skip
     write_manifest(execute(engine, prompt, sampling), folder / "run.json")
     corpus.manifest = json.loads((folder / "run.json").read_text())
     turns = [ScriptTurn(messages=[{"role": "user", "content": "hi"}]), ScriptTurn(messages=[{"role": "user", "content": "the cat"}])]
-    record = run_session(engine, turns, TurnSampling(temperature=0.7, seed=11, max_tokens=3), kv_dir=folder / "kv")
+    record = run_session(engine, turns, SamplingOverrides(temperature=0.7, seed=11, max_tokens=3), kv_dir=folder / "kv")
     write_session(record, folder / "session.json")
     corpus.session = json.loads((folder / "session.json").read_text())
     corpus.script = {"model": "tiny", "sampling": {"temperature": 0.7, "top_p": 0.9, "seed": 11, "max_tokens": 12},
@@ -594,7 +595,8 @@ def _post(corpus: Corpus, url: str, body: bytes) -> None:
     if corpus._client is None:
         from fastapi.testclient import TestClient
 
-        from detinfer.serve.server import ServerSettings, create_app
+        from detinfer.serve.app import create_app
+        from detinfer.serve.serving import ServerSettings
 
         corpus._client = TestClient(create_app(corpus.engine, ServerSettings(max_queue=4, threads=1, max_body_bytes=1 << 16)))
         corpus._client.__enter__()  # starts the decode worker (the app's lifespan); lives as long as the process
@@ -749,9 +751,14 @@ def _special_path(folder: Path, kind: str, data: bytes) -> Path:
 def check_special_file(corpus: Corpus, case, folder: Path) -> None:
     """Read or write the path: a result or a one-line DetinferError at once (the worker's watchdog counts a hang),
     and a path that is not a regular file is never replaced by a write."""
-    from detinfer.model.chat import ChatTemplate, load_messages
-    from detinfer.fileio import atomic_write_text, check_output, check_output_dir, read_input_text
     from detinfer.errors import InputError
+    from detinfer.fileio import (
+        atomic_write_text,
+        check_output,
+        check_output_dir,
+        read_input_text,
+    )
+    from detinfer.model.chat import ChatTemplate, load_messages
     from detinfer.records.kvfile import inspect_kv, load_kv
     from detinfer.records.manifest import load_manifest
     from detinfer.records.session import load_script, load_session

@@ -49,7 +49,6 @@ from gguf.quants import dequantize
 
 from detinfer.model.gguf_file import ModelFile
 
-
 NEOX_ARCHS = ("qwen2", "qwen3", "gemma3")  # llama.cpp llama_model_rope_type: LLAMA_ROPE_TYPE_NEOX
 ARCHS = ("llama", *NEOX_ARCHS)
 # gemma3 values the GGUF metadata leaves implicit (HF google/gemma-3-270m config.json).

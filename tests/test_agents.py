@@ -152,7 +152,13 @@ def test_pydantic_ai(base_url, recorded):
     pytest.importorskip("pydantic_ai")
     from pydantic import BaseModel
     from pydantic_ai import Agent, ToolOutput
-    from pydantic_ai.messages import ModelRequest, ModelResponse, ToolCallPart, ToolReturnPart, UserPromptPart
+    from pydantic_ai.messages import (
+        ModelRequest,
+        ModelResponse,
+        ToolCallPart,
+        ToolReturnPart,
+        UserPromptPart,
+    )
     from pydantic_ai.models.openai import OpenAIResponsesModel
     from pydantic_ai.providers.openai import OpenAIProvider
 
@@ -182,7 +188,12 @@ def test_pydantic_ai(base_url, recorded):
 
 def test_langchain_bind_tools_agent_loop(base_url, recorded):
     pytest.importorskip("langchain_openai")
-    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+    from langchain_core.messages import (
+        AIMessage,
+        HumanMessage,
+        SystemMessage,
+        ToolMessage,
+    )
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
 

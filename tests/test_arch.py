@@ -12,9 +12,9 @@ from gguf import GGUFValueType
 from gguf_factory import write_tiny_gguf
 
 from detinfer.compute import kernels
+from detinfer.errors import ConfigError
 from detinfer.model.arch import ARCHITECTURES
 from detinfer.model.config import ModelConfig
-from detinfer.errors import ConfigError
 from detinfer.model.gguf_file import ModelFile
 from detinfer.model.weights import Weights
 

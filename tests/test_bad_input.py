@@ -12,12 +12,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-from gguf_factory import CHATML, TinyConfig, layout, write_tiny_gguf
 from cli_helpers import cli
+from gguf_factory import CHATML, TinyConfig, layout, write_tiny_gguf
 
 from detinfer.compute.kvcache import KV_QUANT_REASON, QUANTIZED_KV_TYPES
 from detinfer.records.manifest import SCHEMA_VERSION, RunManifest, write_manifest
-
 
 
 @pytest.fixture(scope="session")
@@ -215,7 +214,7 @@ def test_invalid_sampling_values(home: Path, model_path: Path, tmp_path: Path, o
 
 def test_invalid_max_tokens_and_threads(home: Path, model_path: Path, tmp_path: Path):
     r = cli(home, "run", "--model", model_path, "--prompt", "hi", "--max-tokens", "0", "--out", tmp_path / "run.json")
-    assert_input_error(r, "--max-tokens", "0")
+    assert_input_error(r, "max_tokens=0", "greater than or equal to 1")
     r = cli(home, "run", "--model", model_path, "--prompt", "hi", "--threads", "0", "--out", tmp_path / "run.json")
     assert_input_error(r, "--threads 0")
     assert_nothing_written(tmp_path, "run.json")

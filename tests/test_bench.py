@@ -17,9 +17,18 @@ import pytest
 from cli_helpers import cli
 from gguf_factory import write_tiny_gguf
 
-from detinfer.bench import suite as bench, kv as bench_kv, report as bench_report
+from detinfer.bench import kv as bench_kv
+from detinfer.bench import report as bench_report
+from detinfer.bench import suite as bench
 from detinfer.bench.bandwidth import measure_bandwidth
-from detinfer.bench.kv import context_for, first_mismatch, kv_curve, plot_kv, separation_step, target_totals
+from detinfer.bench.kv import (
+    context_for,
+    first_mismatch,
+    kv_curve,
+    plot_kv,
+    separation_step,
+    target_totals,
+)
 from detinfer.bench.report import (
     BandwidthRun,
     BenchReport,

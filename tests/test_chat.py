@@ -11,12 +11,17 @@ import pytest
 from cli_helpers import cli
 from gguf_factory import write_tiny_gguf
 
-from detinfer.model.chat import BUILTIN_TEMPLATES, ChatTemplate, load_messages, validate_messages
 from detinfer.errors import DetinferError, InputError, ManifestError, TemplateError
+from detinfer.model.chat import (
+    BUILTIN_TEMPLATES,
+    ChatTemplate,
+    load_messages,
+    validate_messages,
+)
 from detinfer.model.gguf_file import ModelFile
-from detinfer.records.manifest import SCHEMA_VERSION, load_manifest
 from detinfer.model.registry import ensure_model
 from detinfer.model.tokenizer import Tokenizer
+from detinfer.records.manifest import SCHEMA_VERSION, load_manifest
 from detinfer.records.session import SESSION_SCHEMA_VERSION
 
 USER = [{"role": "user", "content": "Hi"}]

@@ -14,10 +14,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from gguf_factory import CHATML, write_tiny_gguf
 from cli_helpers import cli
+from gguf_factory import CHATML, write_tiny_gguf
 
-from detinfer.records.manifest import SCHEMA_VERSION, load_manifest, tokens_sha256, write_manifest
+from detinfer.records.manifest import (
+    SCHEMA_VERSION,
+    load_manifest,
+    tokens_sha256,
+    write_manifest,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "The capital of France is"

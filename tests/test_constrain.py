@@ -10,16 +10,22 @@ import jsonschema
 import numba
 import numpy as np
 import pytest
-
 from cli_helpers import cli
-from detinfer.compute.constrain import MAX_CONSTRAINT_BYTES, Constraint, Guide, json_schema_constraint, tool_call_constraint
+
+from detinfer.compute.constrain import (
+    MAX_CONSTRAINT_BYTES,
+    Constraint,
+    Guide,
+    json_schema_constraint,
+    tool_call_constraint,
+)
 from detinfer.compute.engine import Engine, set_threads
+from detinfer.compute.generate import generate
+from detinfer.compute.sampling import Sampling, SamplingOverrides
 from detinfer.errors import ConstraintError, InputError, ManifestError
-from detinfer.compute.generate import GenerationResult, generate
 from detinfer.records.manifest import SCHEMA_VERSION, canonical_json, load_manifest
-from detinfer.records.run import build_prompt, execute, reexecute, sampling_record
-from detinfer.compute.sampler import SamplingParams
-from detinfer.records.session import ScriptTurn, TurnSampling, load_session, replay_turns, run_session
+from detinfer.records.run import build_prompt, execute, reexecute
+from detinfer.records.session import ScriptTurn, load_session, replay_turns, run_session
 
 PERSON = "Describe a person as JSON."
 SCHEMAS = {
@@ -51,7 +57,7 @@ def engine(model_path):
 
 def _run(engine, text, constraint, max_tokens=80, **sampling):
     prompt = build_prompt(engine, text=text, chat=True)
-    return execute(engine, prompt, sampling_record(SamplingParams.create(**sampling), max_tokens=max_tokens), constraint=constraint)
+    return execute(engine, prompt, Sampling(**sampling, max_tokens=max_tokens), constraint=constraint)
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
@@ -151,8 +157,7 @@ def test_bad_constraints_fail_before_any_token(engine, kind, text, expected):
 
 def test_ignore_eos_is_refused(engine):
     with pytest.raises(ConstraintError, match="ignore-eos"):
-        next(generate(engine, [1, 2, 3], SamplingParams.create(), max_tokens=4, ignore_eos=True,
-                      constraint=Constraint.create("json_object")))
+        next(generate(engine, [1, 2, 3], Sampling(max_tokens=4, ignore_eos=True), constraint=Constraint.create("json_object")))
 
 
 @pytest.mark.parametrize("markup", [("", ""), ("<tool_call>\n", "\n</tool_call>")], ids=["plain", "markup"])
@@ -232,7 +237,7 @@ def test_session_turn_constraints_replay(engine, tmp_path):
                                         "constraint": {"regex": "(yes|no)"}}),
              ScriptTurn.model_validate({"messages": [{"role": "user", "content": "Thanks."}]})]  # fmt: skip
     out = tmp_path / "session.json"
-    run_session(engine, turns, TurnSampling(max_tokens=24, temperature=0.7, seed=2), out=out)
+    run_session(engine, turns, SamplingOverrides(max_tokens=24, temperature=0.7, seed=2), out=out)
     record = load_session(out)
     first, second, third = record.turns
     jsonschema.validate(json.loads(first.text), SCHEMAS["required_fields"])
@@ -253,7 +258,7 @@ def test_session_script_bad_constraint_fails_before_any_turn(engine, tmp_path):
              ScriptTurn.model_validate({"messages": [{"role": "user", "content": "hi"}], "constraint": {"regex": "a(b"}})]
     out = tmp_path / "s.json"
     with pytest.raises(ConstraintError, match="turn 2: invalid regex"):
-        run_session(engine, turns, TurnSampling(max_tokens=4), out=out)
+        run_session(engine, turns, SamplingOverrides(max_tokens=4), out=out)
     assert not out.exists()
 
 

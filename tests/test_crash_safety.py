@@ -16,9 +16,9 @@ import sys
 import time
 from pathlib import Path
 
+import fuzz
 import pytest
 
-import fuzz
 from detinfer.records.kvfile import load_kv
 from detinfer.records.manifest import load_manifest
 from detinfer.records.session import load_session

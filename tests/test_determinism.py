@@ -13,11 +13,11 @@ import sys
 import numba
 import numpy as np
 import pytest
-
 from gguf_factory import write_tiny_gguf
+from test_kvcache import prefill_with_reuse
 
 from detinfer.compute.engine import Engine
-from detinfer.compute.prefix_cache import PrefixCache, prefill_with_reuse
+from detinfer.compute.prefix_cache import PrefixCache
 from detinfer.records.selftest import DEFAULT_TEXT, fingerprint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

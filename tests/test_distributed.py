@@ -19,12 +19,21 @@ from pathlib import Path
 
 import pytest
 
-from detinfer.integrations.batch import (BAD_INPUT, WRITTEN, BatchWriter, WorkerState, batch_failed, batch_task, read_batch,
-                            verify_task)
 from detinfer.cli import _bare_ray
-from detinfer.integrations.distributed import check_address, fan_out, run_on_ray
+from detinfer.compute.sampling import SamplingOverrides
 from detinfer.errors import InputError
-from detinfer.records.session import ScriptTurn, TurnSampling, run_session
+from detinfer.integrations.batch import (
+    BAD_INPUT,
+    WRITTEN,
+    BatchWriter,
+    WorkerState,
+    batch_failed,
+    batch_task,
+    read_batch,
+    verify_task,
+)
+from detinfer.integrations.distributed import check_address, fan_out, run_on_ray
+from detinfer.records.session import ScriptTurn, run_session
 from detinfer.records.verify import MATCH, verify_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -173,7 +182,7 @@ def test_replay_with_ray_matches_replay_without(cluster, tmp_path):
     engine = Engine.load(None, n_ctx=512)
     for name, text in (("a", "What is 2 + 3?"), ("b", "Name a fruit.")):
         turns = [ScriptTurn(messages=[{"role": "user", "content": text}]), ScriptTurn(messages=[{"role": "user", "content": "Thanks."}])]
-        run_session(engine, turns, TurnSampling(max_tokens=4), out=tmp_path / "sessions" / f"{name}.json")
+        run_session(engine, turns, SamplingOverrides(max_tokens=4), out=tmp_path / "sessions" / f"{name}.json")
     (tmp_path / "sessions" / "c.json").write_text("{}")
     plain = _cli("replay", tmp_path / "sessions", "--threads", "1", "--json")
     fanned = _cli("replay", tmp_path / "sessions", "--json", "--ray", cluster)

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
+import fuzz  # noqa: E402
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 
-import fuzz  # noqa: E402
+from detinfer.errors import TemplateError  # noqa: E402
 from detinfer.model import chat  # noqa: E402
 from detinfer.model.chat import MAX_RENDER_CHARS, ChatTemplate  # noqa: E402
-from detinfer.errors import TemplateError  # noqa: E402
 
 EXAMPLES = {"gguf": 250, "manifest": 300, "session": 300, "script": 300, "detkv": 300, "template": 300, "http": 200,
             "template_loops": 40, "deep_json": 80, "special_files": 150}
@@ -144,11 +144,11 @@ from gguf_factory import CHATML, write_tiny_gguf
 from detinfer.compute.engine import Engine
 from detinfer.compute.generate import generate
 from detinfer.model.gguf_file import ModelFile
-from detinfer.compute.sampler import SamplingParams
+from detinfer.compute.sampling import Sampling
 path = write_tiny_gguf({str(tmp_path / 'tiny.gguf')!r}, chat_template=CHATML, matrix_type=sys.argv[1])
 engine = Engine(ModelFile(path, use_index=False), n_ctx=16)
 prompt = engine.tokenizer.encode("hi there, the cat")
-steps = list(generate(engine, prompt, SamplingParams.from_dict({{"temperature": 0.8, "seed": 3}}), max_tokens=16))
+steps = list(generate(engine, prompt, Sampling(temperature=0.8, seed=3, max_tokens=16)))
 print(",".join(str(s.token) for s in steps), steps[-1].stop_reason)
 """
     outputs = {}

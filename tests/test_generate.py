@@ -14,13 +14,20 @@ import numpy as np
 import pytest
 
 from detinfer.compute.engine import Engine
+from detinfer.compute.generate import (
+    DIGEST_SEED,
+    GenerationResult,
+    Step,
+    chain_digest,
+    generate,
+)
+from detinfer.compute.sampler import sample, top_logits
+from detinfer.compute.sampling import Sampling
 from detinfer.errors import InputError
-from detinfer.compute.generate import DIGEST_SEED, GenerationResult, Step, chain_digest, generate
 from detinfer.records.run import build_prompt
-from detinfer.compute.sampler import SamplingParams, sample, top_logits
 
-GREEDY = SamplingParams.create()
-SAMPLED = SamplingParams.create(temperature=0.9, top_k=40, top_p=0.95, repetition_penalty=1.1, seed=1234)
+GREEDY = Sampling()
+SAMPLED = Sampling(temperature=0.9, top_k=40, top_p=0.95, repetition_penalty=1.1, seed=1234)
 PARIS = "The capital of France is"
 EMOJI = "My favorite emoji is"
 LONG = "The quick brown fox jumps over the lazy dog while the farmer counts sheep in the green valley below."
@@ -44,9 +51,15 @@ def small(model_path) -> Engine:
     return Engine.load(model_path, n_ctx=16)
 
 
+def with_limits(params: Sampling, kw: dict) -> Sampling:
+    """``params`` with the limits (max_tokens, stop, ignore_eos) taken out of generate keyword arguments ``kw``."""
+    limits = {k: kw.pop(k) for k in ("max_tokens", "stop", "ignore_eos") if k in kw}
+    return Sampling.create(**{**params.model_dump(), **limits})
+
+
 def run(engine: Engine, tokens, params=GREEDY, **kw) -> tuple[list[Step], GenerationResult]:
     res = GenerationResult()
-    steps = list(generate(engine, tokens, params, result=res, **kw))
+    steps = list(generate(engine, tokens, with_limits(params, kw), result=res, **kw))
     return steps, res
 
 
@@ -180,7 +193,7 @@ def test_prompt_filling_context_stops_before_sampling(small):
 
 @pytest.mark.parametrize(
     "case, match",
-    [("too_long", "17 tokens"), ("empty", "empty"), ("max_tokens_0", "max-tokens"),
+    [("too_long", "17 tokens"), ("empty", "empty"), ("max_tokens_0", "max_tokens=0"),
      ("bad_token_id", "outside the vocabulary"), ("chunk_size_0", "chunk size")],
 )  # fmt: skip
 def test_invalid_requests_raise_input_error_and_engine_stays_usable(small, case, match):
@@ -197,7 +210,7 @@ def test_invalid_requests_raise_input_error_and_engine_stays_usable(small, case,
     else:
         kw["chunk_size"] = 0
     with pytest.raises(InputError, match=match):  # generate is lazy: the error comes with the first step
-        list(generate(small, prompt, GREEDY, **kw))
+        list(generate(small, prompt, with_limits(GREEDY, kw), **kw))
     after = run(small, long_tokens(small, 14), max_tokens=2)[1]
     assert (after.tokens, after.digests, after.kv_sha256) == (before.tokens, before.digests, before.kv_sha256)
 

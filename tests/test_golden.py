@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from golden import CASES, GEMMA3, run_case
 from detinfer.integrations.snapshot import TokenStreamExtension
+from golden import CASES, GEMMA3, run_case
 
 GOLDEN_DIR = Path(__file__).resolve().parent.parent / "golden"
 

@@ -22,20 +22,19 @@ from pathlib import Path
 import numba
 import numpy as np
 import pytest
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
-
-from detinfer.compute import kernels
-
-from detinfer.model import weights
-from detinfer.compute.linear import Activations, matmul
-from detinfer.model.gguf_file import SUPPORTED_TYPES, ModelFile
-from detinfer.compute.numerics import fma32
-from detinfer.model.quants import F16_TO_F32
-from detinfer.model.weights import QMatrix
-
 from gguf_factory import write_tiny_gguf
 from test_quants import BLOCK_DTYPES, K_QUANTS
+
+from detinfer.compute import kernels
+from detinfer.compute.linear import Activations, matmul
+from detinfer.compute.numerics import fma32
+from detinfer.model import weights
+from detinfer.model.gguf_file import SUPPORTED_TYPES, ModelFile
+from detinfer.model.quants import F16_TO_F32
+from detinfer.model.weights import QMatrix
 
 U = 2.0**-24  # unit roundoff of float32
 QK = kernels.QK

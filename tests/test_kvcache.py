@@ -14,14 +14,24 @@ import struct
 import numpy as np
 import pytest
 
-from detinfer.records import kvfile
 from detinfer.compute.engine import Engine
-from detinfer.errors import InputError, KVFileError
 from detinfer.compute.kvcache import KVCache, KVSnapshot
+from detinfer.compute.prefix_cache import PrefixCache
+from detinfer.errors import InputError, KVFileError
+from detinfer.records import kvfile
 from detinfer.records.kvfile import inspect_kv, load_kv, save_kv
-from detinfer.compute.prefix_cache import PrefixCache, prefill_with_reuse
 
 OTHER_SHA = "0" * 64
+
+
+def prefill_with_reuse(engine: Engine, tokens: list[int], prefix_cache: PrefixCache, cache: KVCache, **kw):
+    """What generate does with a prefix cache before its first sample, and after: restore the longest known prefix
+    (the cache's own, or a stored snapshot's), compute the rest, store the result. (last logits, reused tokens)."""
+    prefix_cache.restore_longest(cache, tokens)
+    reused = cache.keep_prefix(tokens)
+    logits = engine.forward(tokens[reused:], cache, **kw)
+    prefix_cache.store(cache)
+    return logits, reused
 TEXT = "The quick brown fox jumps over the lazy dog."
 
 

@@ -2,10 +2,10 @@
 
 import importlib.util
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from detinfer.model import registry
 from detinfer.errors import DetinferError, GGUFError, InputError, PullError
+from detinfer.model import registry
 from detinfer.model.registry import (
     DEFAULT_MODEL,
     REGISTRY,

@@ -28,15 +28,16 @@ from cli_helpers import cli
 from fastapi.testclient import TestClient
 from gguf_factory import CHATML, write_tiny_gguf
 
-from detinfer.model import chat
-from detinfer.model.chat import MAX_RENDER_BYTES, MAX_RENDER_CHARS, ChatTemplate
 from detinfer.compute.engine import Engine
 from detinfer.errors import ManifestError, TemplateError
+from detinfer.model import chat
+from detinfer.model.chat import MAX_RENDER_BYTES, MAX_RENDER_CHARS, ChatTemplate
 from detinfer.model.gguf_file import HEADER_KEY_BYTES, INDEX_VERSION, ModelFile
 from detinfer.records.kvfile import load_kv, save_kv
 from detinfer.records.manifest import RunManifest, tokens_sha256, write_manifest
-from detinfer.serve.server import ServerSettings, create_app
 from detinfer.records.session import load_session
+from detinfer.serve.app import create_app
+from detinfer.serve.serving import ServerSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 

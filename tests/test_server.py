@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
+import statistics
 import subprocess
 import sys
-import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import math
 import numba
 import numpy as np
 import pytest
@@ -24,8 +24,9 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from detinfer.compute.engine import Engine, set_threads  # noqa: E402
 from detinfer.compute.sampler import log_softmax_at, top_logits  # noqa: E402
-from detinfer.serve.server import ServerSettings, create_app  # noqa: E402
 from detinfer.records.session import load_session, replay_turns  # noqa: E402
+from detinfer.serve.app import create_app  # noqa: E402
+from detinfer.serve.serving import ServerSettings
 
 KEY = "test-key-123"
 SYSTEM = "You are a terse assistant."
@@ -451,9 +452,9 @@ def test_clients_that_never_read_are_dropped(engine, tmp_path):
 def test_chat_template_option_for_a_model_without_one(gemma_path, tmp_path):
     """Gemma 3 has no chat template: chat requests are a 400 naming --chat-template, unless the server was started
     with one; then the reply equals `detinfer run` with the same template, and the recording keeps it for replay."""
+    from detinfer.compute.sampling import Sampling
     from detinfer.model.chat import ChatTemplate
-    from detinfer.records.run import build_prompt, execute, sampling_record
-    from detinfer.compute.sampler import SamplingParams
+    from detinfer.records.run import build_prompt, execute
 
     engine = Engine.load(gemma_path, n_ctx=256)
     messages = [{"role": "user", "content": "What is 2 + 2?"}]
@@ -473,7 +474,7 @@ def test_chat_template_option_for_a_model_without_one(gemma_path, tmp_path):
     finally:
         running.stop()
     ref = execute(engine, build_prompt(engine, messages=messages, chat=True, template=gemma),
-                  sampling_record(SamplingParams.create(temperature=0.0), max_tokens=8), template=gemma)
+                  Sampling(temperature=0.0, max_tokens=8), template=gemma)
     assert r.usage.prompt_tokens == len(ref.prompt.token_ids) and r.choices[0].message.content == ref.output.text
     record = load_session(next(tmp_path.glob("session-*.json")))
     assert record.chat_template.name == "gemma"

@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 from detinfer.cli import app
 from detinfer.compute.engine import Engine, set_threads
-from detinfer.records.machine import machine
 from detinfer.compute.numerics import NUMERICS
+from detinfer.records.machine import machine
 from detinfer.records.session import SessionRecord, load_session, replay_turns
 
 ROOT = Path(__file__).resolve().parent.parent

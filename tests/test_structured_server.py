@@ -16,14 +16,17 @@ openai = pytest.importorskip("openai")
 
 from test_server import _Running  # noqa: E402
 
-from detinfer.model.chat import ChatTemplate  # noqa: E402
 from detinfer.compute.constrain import json_schema_constraint  # noqa: E402
 from detinfer.compute.engine import Engine, set_threads  # noqa: E402
 from detinfer.compute.generate import GenerationResult, generate  # noqa: E402
+from detinfer.compute.sampling import Sampling  # noqa: E402
+from detinfer.model.chat import ChatTemplate  # noqa: E402
 from detinfer.records.manifest import tokens_sha256  # noqa: E402
-from detinfer.compute.sampler import SamplingParams  # noqa: E402
-from detinfer.serve.server import ChatRequest, ServerSettings, create_app  # noqa: E402
 from detinfer.records.session import load_session, replay_turns  # noqa: E402
+from detinfer.serve.app import create_app  # noqa: E402
+from detinfer.serve.chat_completions import ChatCompletions  # noqa: E402
+from detinfer.serve.protocol import ChatRequest  # noqa: E402
+from detinfer.serve.serving import ServerSettings  # noqa: E402
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                            "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]}},
@@ -92,12 +95,12 @@ def test_json_schema_same_bytes_cold_warm_streamed_and_at_two_threads(server, en
     if numba.config.NUMBA_NUM_THREADS < 2:
         return
     req = ChatRequest.model_validate({"model": "x", "messages": MESSAGES})
-    prompt, _ = server.server.config.app.state.server.prepare_chat(req)
+    prompt = ChatCompletions(server.server.config.app.state.server).prepare(req).prompt
     res = GenerationResult()
     before = numba.get_num_threads()
     set_threads(2)  # this (test) thread's numba pool; the server's decode thread keeps its 1
     try:
-        for _ in generate(engine, prompt, SamplingParams.create(temperature=0.8, seed=3), max_tokens=60, result=res,
+        for _ in generate(engine, prompt, Sampling(temperature=0.8, seed=3, max_tokens=60), result=res,
                           constraint=json_schema_constraint(PERSON)):  # fmt: skip
             pass
     finally:

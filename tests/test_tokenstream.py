@@ -9,7 +9,12 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from detinfer.integrations.ci_report import cache_key, cpu_level, github_annotations, junit_xml
+from detinfer.integrations.ci_report import (
+    cache_key,
+    cpu_level,
+    github_annotations,
+    junit_xml,
+)
 from detinfer.integrations.snapshot import TokenStreamExtension
 from detinfer.records.tokenstream import divergence_report
 from detinfer.records.verify import BAD_INPUT, MATCH, MISMATCH, Divergence, VerifyResult

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from detinfer.model.chat import ChatTemplate
-from detinfer.serve.tool_calls import FORMATS, Reply, StreamSplitter, format_for_template
+from detinfer.model.tool_parsers import FORMATS, Reply, format_for_template
+from detinfer.serve.serving import StreamSplitter
 
 ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}
 TOOLS = {"add": None, "multiply": None}

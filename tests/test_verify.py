@@ -21,16 +21,23 @@ from typer.testing import CliRunner
 import golden
 from detinfer.cli import app
 from detinfer.compute.engine import Engine, set_threads
-from golden import Case, run_case, write_manifests
-from detinfer.records.tokenstream import run_stream, stream_json
 from detinfer.compute.kvcache import KV_QUANT_REASON
-from detinfer.records.machine import describe, machine
 from detinfer.compute.numerics import NUMERICS
-from detinfer.records.manifest import SCHEMA_VERSION, RunManifest, load_manifest, tokens_sha256, write_manifest
-from detinfer.records.run import build_prompt, excerpts, execute, sampling_record
-from detinfer.compute.sampler import SamplingParams
+from detinfer.compute.sampling import Sampling
+from detinfer.records.machine import describe, machine
+from detinfer.records.manifest import (
+    SCHEMA_VERSION,
+    RunManifest,
+    load_manifest,
+    tokens_sha256,
+    write_manifest,
+)
+from detinfer.records.run import build_prompt, excerpts, execute
 from detinfer.records.selftest import matrix, probe_process
-from detinfer.records.verify import MATCH, verify as verify_paths
+from detinfer.records.tokenstream import run_stream, stream_json
+from detinfer.records.verify import MATCH
+from detinfer.records.verify import verify as verify_paths
+from golden import Case, run_case, write_manifests
 
 PROMPT = "The capital of France is"
 GREEDY_IDS = [7042, 30, 198, 198, 504, 2988, 314, 42]  # " Paris.\n\nThe answer is:"
@@ -109,7 +116,7 @@ def recorded(engine: Engine, model_path: Path, tmp_path_factory: pytest.TempPath
     engines = {"f32": engine, "f16": Engine.load(model_path, n_ctx=256, kv_type="f16")}
     for name, (text, params, kv_type) in RUNS.items():
         eng = engines[kv_type]
-        sampling = sampling_record(SamplingParams.create(**params), max_tokens=8, ignore_eos=True)
+        sampling = Sampling(**params, max_tokens=8, ignore_eos=True)
         write_manifest(execute(eng, build_prompt(eng, text=text), sampling), folder / f"{name}.json")
     return folder
 

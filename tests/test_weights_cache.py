@@ -12,14 +12,14 @@ from pathlib import Path
 import numba
 import numpy as np
 import pytest
+from gguf_factory import write_tiny_gguf
 
+from detinfer.compute.engine import Engine
 from detinfer.model import weights_cache
 from detinfer.model.config import ModelConfig
-from detinfer.compute.engine import Engine
 from detinfer.model.gguf_file import ModelFile
 from detinfer.model.tokenizer import Tokenizer
 from detinfer.model.weights import Weights, layout_key
-from gguf_factory import write_tiny_gguf
 
 
 def _saved() -> None:

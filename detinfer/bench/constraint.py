@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .suite import busy_warning
 from ..compute.constrain import json_schema_constraint
 from ..compute.engine import Engine
-from ..errors import InputError
 from ..compute.generate import GenerationResult, generate
+from ..compute.sampling import Sampling
+from ..errors import InputError
 from ..records.run import build_prompt
-from ..compute.sampler import SamplingParams
+from .suite import busy_warning
 
 PROMPT = "List as many fruits as you can, as JSON."
 SCHEMA = {"type": "object", "properties": {"fruits": {"type": "array", "items": {"type": "string"}, "minItems": 100}},
@@ -39,7 +39,7 @@ class ConstraintBench:
 
 def _decode_seconds(engine: Engine, prompt: list[int], tokens: int, constrained: bool) -> float:
     res = GenerationResult()
-    for _ in generate(engine, prompt, SamplingParams.create(), max_tokens=tokens, ignore_eos=not constrained, result=res,
+    for _ in generate(engine, prompt, Sampling.create(max_tokens=tokens, ignore_eos=not constrained), result=res,
                       constraint=json_schema_constraint(SCHEMA) if constrained else None):  # fmt: skip
         pass
     if len(res.tokens) != tokens:

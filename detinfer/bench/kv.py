@@ -12,11 +12,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .suite import busy_warning
-from .report import KVCurve, KVTarget, load_report
 from ..compute.engine import Engine
 from ..errors import InputError
 from ..fileio import atomic_write_bytes
+from .report import KVCurve, KVTarget, load_report
+from .suite import busy_warning
 
 PROMPT = "Once upon a time, in a small village by the sea,"
 DEFAULT_TARGETS = (64, 512, 2048)

@@ -42,6 +42,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import DetinferError, InputError
+from ..model.gguf_file import check_magic
+from ..model.registry import DEFAULT_MODEL, REGISTRY, resolve_model
+from ..paths import detinfer_home
+from ..records.manifest import cpu_name
 from .report import (
     BenchReport,
     EngineRun,
@@ -56,11 +61,6 @@ from .report import (
     stats,
     write_report,
 )
-from ..errors import DetinferError, InputError
-from ..model.gguf_file import check_magic
-from ..records.manifest import cpu_name
-from ..paths import detinfer_home
-from ..model.registry import DEFAULT_MODEL, REGISTRY, resolve_model
 
 SUITE_CELLS = ((64, 512, 2048), 128)  # (prefill sizes, decode tokens) of --model
 LARGE_CELLS = ((64, 512), 32)  # of --large-model: a 1B decode runs at a few tok/s
@@ -211,8 +211,8 @@ def compiled_isa() -> str:
     import numba
     import numpy as np
 
-    from ..records.machine import machine
     from ..compute.numerics import fma32
+    from ..records.machine import machine
 
     @numba.njit(cache=False)
     def probe(a, u, out):
@@ -462,10 +462,10 @@ def start_times(model: str, runs: int, warn: Callable[[str], None]) -> StartTime
 def session_figures(model: str, threads: int, runs: int) -> SessionFigures:
     """The 20-turn scripted session (tests/data/agent20.json) with prefix reuse vs recomputing every prefix, and
     KV snapshot save/load of 1,000 tokens; each ``runs`` times."""
-    from ..model.chat import ChatTemplate
     from ..compute.engine import Engine, set_threads
-    from ..records.kvfile import load_kv, save_kv
     from ..compute.prefix_cache import PrefixCache
+    from ..model.chat import ChatTemplate
+    from ..records.kvfile import load_kv, save_kv
     from ..records.session import load_script, replay_turns, run_session
 
     set_threads(threads)

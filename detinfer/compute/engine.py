@@ -16,19 +16,19 @@ from typing import Sequence
 import numba
 import numpy as np
 
-from . import kernels
+from ..errors import InputError
 from ..model.arch import ARCHITECTURES
 from ..model.chat import ChatTemplate
 from ..model.config import ModelConfig
-from ..errors import InputError
 from ..model.gguf_file import ModelFile
-from .kvcache import KVCache, KVPool, check_kv_fits, kv_bytes_per_number, parse_kv_type
 from ..model.quants import DEQUANT_ROW
 from ..model.registry import resolve_model
 from ..model.tokenizer import Tokenizer
 from ..model.weights import Weights, layout_key
-from .linear import Activations, matmul, project
 from ..model.weights_cache import open_store
+from . import kernels
+from .kvcache import KVCache, KVPool, check_kv_fits, kv_bytes_per_number, parse_kv_type
+from .linear import Activations, matmul, project
 
 DEFAULT_N_CTX = 4096
 DEFAULT_CHUNK = 64  # prefill tokens per forward chunk: any value gives the same bytes

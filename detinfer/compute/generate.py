@@ -14,14 +14,18 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from ..errors import InputError
 from .constrain import Constraint, Guide, check_ignore_eos
 from .engine import DEFAULT_CHUNK, Engine
-from ..errors import InputError
 from .kvcache import KVCache
-from .sampler import SamplingParams, log_softmax_at, sample, top_logits
+from .prefix_cache import PrefixCache
+from .sampler import log_softmax_at, sample, top_logits
+from .sampling import Sampling
 
 DIGEST_SEED = hashlib.sha256(b"detinfer-logits/1").hexdigest()
 STOP_REASONS = ("eos", "stop", "max_tokens", "length")
+# OpenAI's finish_reason for each stop reason (an end-of-generation token or a stop string is "stop")
+OPENAI_FINISH_REASON = {"eos": "stop", "stop": "stop", "max_tokens": "length", "length": "length"}
 
 
 def chain_digest(previous: str, logits: np.ndarray) -> str:
@@ -122,47 +126,50 @@ def check_prompt(engine: Engine, tokens: Sequence[int]) -> None:
 def generate(
     engine: Engine,
     prompt_tokens: Sequence[int],
-    params: SamplingParams,
+    sampling: Sampling,
     *,
-    max_tokens: int,
-    stop: Sequence[str] = (),
-    ignore_eos: bool = False,
     chunk_size: int = DEFAULT_CHUNK,
     cache: KVCache | None = None,
     result: GenerationResult | None = None,
     logprobs_k: int | None = None,
     constraint: Constraint | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> Iterator[Step]:
-    """Prefill ``prompt_tokens`` and generate up to ``max_tokens`` tokens, yielding one Step per token.
+    """Prefill ``prompt_tokens`` and generate up to ``sampling.max_tokens`` tokens, yielding one Step per token.
 
     ``cache`` (optional) may already hold a prefix of the prompt: only the rest is computed (see
-    :meth:`KVCache.keep_prefix`), with the same bytes as a cold run.
+    :meth:`KVCache.keep_prefix`), with the same bytes as a cold run. With ``prefix_cache``, a longer prefix known
+    there (another conversation's, an earlier branch's) is restored first, and the finished generation's cache is
+    stored there (not that of a generation stopped early by its consumer).
 
-    Stops at an end-of-generation token (not emitted as text; unless ``ignore_eos``), a stop string (its text
-    is never emitted), ``max_tokens``, or the end of the context (stop reason "length": a token at position p
+    Stops at an end-of-generation token (not emitted as text; unless ``sampling.ignore_eos``), a stop string (its
+    text is never emitted), ``sampling.max_tokens``, or the end of the context (stop reason "length": a token at position p
     needs p < n_ctx). ``result`` (optional) is filled in as the stream advances, with the final KV digest at the
     end. ``logprobs_k`` (optional, 0..n_vocab; default off, costing nothing) adds to each sampled Step, and to
     ``result.logprobs``, the logprob of the sampled token and the ``logprobs_k`` most likely tokens under the raw
     logits (see Step). ``constraint`` (optional): before each sampled token, the tokens its grammar does not allow
     next get -inf logits (constrain.Guide); end-of-generation tokens are allowed only where the grammar accepts. Digests,
     top logits and logprobs stay those of the raw logits; each step's mask digest goes to ``Step.mask_digest`` and
-    ``result.mask_digests``. Raises InputError for an empty or too-long prompt, or max_tokens < 1; ConstraintError
+    ``result.mask_digests``. Raises InputError for an empty or too-long prompt; ConstraintError
     for a constraint that does not compile, with ``ignore_eos`` (the grammar ends with an end token), or that can
     no longer be completed.
     """
     check_prompt(engine, prompt_tokens)
-    if max_tokens < 1:
-        raise InputError(f"--max-tokens must be at least 1, got {max_tokens}")
+    if not isinstance(sampling, Sampling):
+        raise InputError(f"sampling must be a Sampling, got {type(sampling).__name__}")
+    max_tokens, ignore_eos = sampling.max_tokens, sampling.ignore_eos
     if logprobs_k is not None and (isinstance(logprobs_k, bool) or not isinstance(logprobs_k, int) or logprobs_k < 0):
         raise InputError(f"logprobs_k must be an int >= 0 or None, got {logprobs_k!r}")
     check_ignore_eos(constraint, ignore_eos)
     guide = Guide(constraint, engine.tokenizer) if constraint is not None else None
     res = result if result is not None else GenerationResult()
     cache = cache if cache is not None else engine.new_cache()
+    if prefix_cache is not None:
+        prefix_cache.restore_longest(cache, prompt_tokens)
     reused = cache.keep_prefix(prompt_tokens)
     history = list(prompt_tokens)
     decoder = engine.tokenizer.stream_decoder()
-    matcher = _StopMatcher(stop)
+    matcher = _StopMatcher(sampling.stop)
     eog = frozenset() if ignore_eos else engine.tokenizer.eog_ids
     digest = DIGEST_SEED
     t0 = time.perf_counter()
@@ -177,15 +184,17 @@ def generate(
         if position >= engine.n_ctx:
             res.stop_reason = "length"
             res.kv_sha256 = cache.digest()
+            if prefix_cache is not None:
+                prefix_cache.store(cache)
             yield Step(index, position, None, matcher.finish(), digest, [], "length")
             return
         mdigest = None
         if guide is not None:
-            token = sample(guide.mask(logits), params, position, history)
+            token = sample(guide.mask(logits), sampling, position, history)
             mdigest = guide.digest
             res.mask_digests.append(mdigest)
         else:
-            token = sample(logits, params, position, history)
+            token = sample(logits, sampling, position, history)
         digest = chain_digest(digest, logits)
         top = top_logits(logits, 5)
         lp, top_lp = None, None
@@ -214,6 +223,8 @@ def generate(
             res.timings.decode_s = time.perf_counter() - t0
             res.timings.decode_tokens = index
             res.kv_sha256 = cache.digest()
+            if prefix_cache is not None:
+                prefix_cache.store(cache)
             yield Step(index, position, token, text, digest, top, reason, lp, top_lp, mdigest)
             return
         yield Step(index, position, token, text, digest, top, None, lp, top_lp, mdigest)

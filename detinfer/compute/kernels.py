@@ -34,10 +34,10 @@ from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from . import jit
-from .numerics import exp32, pow64, sincos64
 from ..model.quants import QK, f32_to_f16_bits
 from ..model.weights import ROWS
+from . import jit
+from .numerics import exp32, pow64, sincos64
 
 # Benchmark only (detinfer.bench measures the cost of the contract): DETINFER_BENCH_FASTMATH=1, read once at import,
 # compiles every kernel with fastmath, which breaks bit-identity. The bench worker gives it its own NUMBA_CACHE_DIR.

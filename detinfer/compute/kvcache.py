@@ -24,8 +24,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from ..model.config import ModelConfig
 from ..errors import InputError, KVTypeError
+from ..model.config import ModelConfig
 from ..model.quants import F16_TO_F32
 
 # Storage dtype of each KV type; f16 is held as IEEE half bits (uint16) and rounded to nearest even.

@@ -9,15 +9,12 @@ One PrefixCache serves one model and KV type; the snapshots carry no model ident
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from ..errors import InputError
 from .kvcache import KVCache, KVSnapshot
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 
 def _shared_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -130,25 +127,3 @@ class PrefixCache:
     def _drop(self, key: tuple[int, ...]) -> None:
         _, snap = self._entries.pop(key)
         self._nbytes -= snap.nbytes
-
-
-def prefill_with_reuse(
-    engine: "Engine", tokens: Sequence[int], prefix_cache: PrefixCache, cache: KVCache, *, chunk_size: int | None = None
-) -> tuple[np.ndarray, int]:
-    """Prefill ``tokens`` into ``cache`` reusing the longest known prefix; returns (last-token logits [n_vocab], n_reused).
-
-    The prefix comes from whichever is longer: what ``cache`` already holds of ``tokens``, or the best snapshot
-    in ``prefix_cache``. At least the last token is always computed (its logits are needed), so a fully cached
-    prompt is cut back by one. The finished prompt is stored in ``prefix_cache``. Bit-identical to
-    ``engine.forward(tokens, fresh cache)``: same logits bytes, same KV digest.
-    Raises InputError for an empty prompt or one that does not fit in the cache.
-    """
-    ids = [int(t) for t in tokens]
-    if not ids:
-        raise InputError("no tokens to run")
-    prefix_cache.restore_longest(cache, ids)
-    n_reused = cache.keep_prefix(ids)
-    kwargs = {} if chunk_size is None else {"chunk_size": chunk_size}
-    logits = engine.forward(ids[n_reused:], cache, **kwargs)
-    prefix_cache.store(cache)
-    return logits, n_reused

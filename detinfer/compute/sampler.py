@@ -51,12 +51,11 @@ from collections.abc import Sequence
 
 import numpy as np
 from numba import njit
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import InputError
 from .numerics import exp32, log32
+from .sampling import U64, SamplingParams
 
-U64 = 2**64
 WEIGHT_BITS = 40  # F above: q = floor(w * 2**F); S <= n_vocab * 2**F must fit int64
 MAX_VOCAB = 2 ** (63 - WEIGHT_BITS)
 BUCKET_SHIFT = 20  # crossing search buckets keys by their top 12 bits (sign, exponent, 3 mantissa bits)
@@ -64,64 +63,6 @@ BUCKET_SHIFT = 20  # crossing search buckets keys by their top 12 bits (sign, ex
 # Domain tag of the counter-based RNG (blake2b personalization, at most 16 bytes). Changing it changes every
 # sampled token: it is part of the determinism contract, like the rest of ``uniform_bits``.
 RNG_PERSON = b"detinfer.sample"
-
-
-# --------------------------------------------------------------------------------------------- parameters
-
-
-class SamplingParams(BaseModel):
-    """Sampling parameters; invalid values raise InputError naming the parameter (never clamped).
-
-    temperature: >= 0, 0 = greedy. top_k: >= 0, 0 = off. top_p: in (0, 1], 1 = off. min_p: in [0, 1), 0 = off.
-    repetition_penalty: > 0, 1 = off. repeat_last_n: >= 0, how many of the most recent history tokens the
-    penalty looks at (0 = none). seed: 0 <= seed < 2**64, keys the counter-based RNG with the position.
-    NaN and infinities are rejected; values are strict (no bools, no numeric strings; ints pass for floats).
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
-
-    temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False)
-    top_k: int = Field(0, ge=0, lt=2**63)
-    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    min_p: float = Field(0.0, ge=0.0, lt=1.0, allow_inf_nan=False)
-    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
-    repeat_last_n: int = Field(64, ge=0, lt=2**63)
-    seed: int = Field(0, ge=0, lt=U64)
-
-    def __init__(self, **data) -> None:
-        try:
-            super().__init__(**data)
-        except ValidationError as e:
-            raise _input_error(e) from None
-
-    @classmethod
-    def create(cls, **kw) -> "SamplingParams":
-        """Build from keyword values; raises InputError naming the bad parameter(s) and value(s)."""
-        return cls(**kw)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "SamplingParams":
-        """Build from a mapping (e.g. a manifest's sampling block); raises InputError like ``create``."""
-        if not isinstance(data, dict):
-            raise InputError(f"sampling parameters must be a mapping, got {type(data).__name__}")
-        return cls(**data)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-def _input_error(e: ValidationError) -> InputError:
-    """One line for a ValidationError: 'invalid sampling parameter top_p=1.5: Input should be ...'."""
-    parts = []
-    for err in e.errors():
-        name = ".".join(str(x) for x in err["loc"]) or "?"
-        if err["type"] == "extra_forbidden":
-            known = ", ".join(SamplingParams.model_fields)
-            parts.append(f"unknown sampling parameter {name}={err['input']!r} (known: {known})")
-        else:
-            parts.append(f"invalid sampling parameter {name}={err['input']!r}: {err['msg']}")
-    return InputError("; ".join(parts))
 
 
 # --------------------------------------------------------------------------------------------- RNG

@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from ..compute.sampling import Sampling
 from ..errors import DetinferError, InputError
 from ..fileio import atomic_write_text, load_json, parse_json, read_input_text
 
@@ -47,21 +48,6 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class BatchSampling(_Strict):
-    """Per-line sampling; unset values are `detinfer run`'s defaults."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    repeat_last_n: int = 64
-    seed: int = 0
-    max_tokens: int = 128
-    stop: list[str] = []
-    ignore_eos: bool = False
-
-
 class BatchMessage(_Strict):
     role: str
     content: str
@@ -78,7 +64,7 @@ class BatchLine(_Strict):
     chat: bool = False
     model: str | None = None
     chat_template: str | None = None
-    sampling: BatchSampling = BatchSampling()
+    sampling: Sampling = Sampling()
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "BatchLine":
@@ -162,22 +148,17 @@ def _ensure(model: str | None, pull: bool) -> None:
 def batch_manifest(engine, item: BatchItem) -> Any:
     """Run one batch line on ``engine``: the sealed RunManifest, with a worker-independent ``informative`` section
     (threads 0, no timings, no CPU; the registry name or the file's path as model_path). Raises DetinferError for bad input."""
-    from ..model.chat import ChatTemplate
     from ..compute.generate import check_prompt
+    from ..model.chat import ChatTemplate
     from ..model.registry import DEFAULT_MODEL, REGISTRY
-    from ..records.run import build_prompt, execute, sampling_record
-    from ..compute.sampler import SamplingParams
+    from ..records.run import build_prompt, execute
 
     spec = item.spec
-    s = spec.sampling
-    params = SamplingParams.create(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
-                                   repetition_penalty=s.repetition_penalty, repeat_last_n=s.repeat_last_n, seed=s.seed)
-    sampling = sampling_record(params, max_tokens=s.max_tokens, stop=s.stop, ignore_eos=s.ignore_eos)
     template = ChatTemplate.from_option(spec.chat_template) if spec.chat_template is not None else None
     messages = [m.model_dump() for m in spec.messages] if spec.messages is not None else None
     prompt = build_prompt(engine, text=spec.prompt, messages=messages, chat=spec.chat, template=template)
     check_prompt(engine, prompt.token_ids)
-    manifest = execute(engine, prompt, sampling, template=template)
+    manifest = execute(engine, prompt, spec.sampling, template=template)
     model = spec.model or item.model or DEFAULT_MODEL
     where = model if model in REGISTRY else str(engine.model_file.path)  # a registry path differs between nodes
     informative = manifest.informative.model_copy(update={"threads": 0, "timings": {}, "cpu": "", "model_path": where})
@@ -187,8 +168,8 @@ def batch_manifest(engine, item: BatchItem) -> Any:
 def batch_task(state: WorkerState, item: BatchItem, *, pull: bool = False) -> BatchResult:
     """Run one batch item; bad input (a bad line, prompt, model or sampling value) is a BAD_INPUT result."""
     from ..compute.engine import Engine
-    from ..records.manifest import canonical_json
     from ..model.registry import DEFAULT_MODEL
+    from ..records.manifest import canonical_json
 
     t0 = time.perf_counter()
     if item.spec is None:
@@ -249,7 +230,8 @@ def _registry_name_of(path: Path) -> str | None:
 
 def verify_task(state: WorkerState, path: str, *, model: str | None = None, pull: bool = False) -> Any:
     """``verify`` of one manifest or golden record (a VerifyResult; bad input is its status, never raised)."""
-    from ..records.verify import BAD_INPUT as VERIFY_BAD_INPUT, VerifyResult, verify_file
+    from ..records.verify import BAD_INPUT as VERIFY_BAD_INPUT
+    from ..records.verify import VerifyResult, verify_file
 
     try:
         if model is None:
@@ -353,7 +335,12 @@ class ItemProgress:
     and a name (``path`` or ``id``)."""
 
     def __init__(self, console, verb: str, total: int, where: str):
-        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            TextColumn,
+            TimeElapsedColumn,
+        )
         from rich.progress import Progress as Bar
 
         self.console, self.verb, self.total, self.where = console, verb, total, where
@@ -397,7 +384,8 @@ class ItemProgress:
 
 
 def verify_failed(path: str, reason: str) -> Any:
-    from ..records.verify import BAD_INPUT as VERIFY_BAD_INPUT, VerifyResult
+    from ..records.verify import BAD_INPUT as VERIFY_BAD_INPUT
+    from ..records.verify import VerifyResult
 
     return VerifyResult(path, VERIFY_BAD_INPUT, message=f"{path}: {reason}")
 

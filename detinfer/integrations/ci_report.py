@@ -77,8 +77,8 @@ def cache_key(model: str | None = None) -> str:
 
     import numba
 
-    from ..version import __version__
     from ..model.registry import DEFAULT_MODEL, get_entry
+    from ..version import __version__
 
     versions = f"detinfer-{__version__}-numba-{numba.__version__}-py{platform.python_version()}"
     return f"{versions}-{get_entry(model or DEFAULT_MODEL).sha256[:16]}-{cpu_level()}"

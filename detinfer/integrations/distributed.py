@@ -21,8 +21,8 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
-from .batch import WorkerState, run_local
 from ..errors import InputError
+from .batch import WorkerState, run_local
 
 LOCAL = "local"  # --ray without an address: start a cluster on this machine, sized to its cores
 INSTALL = "pip install 'detinfer[ray]'"

@@ -14,11 +14,17 @@ from typing import Any, Iterator
 from syrupy.extensions.single_file import SingleFileSnapshotExtension, WriteMode
 
 from ..api import Result, SessionResult
+from ..compute.sampler import top_logits
 from ..fileio import atomic_write_text
 from ..records.manifest import RunManifest
-from ..compute.sampler import top_logits
 from ..records.session import SessionRecord
-from ..records.tokenstream import divergence_report, parse_stream, run_stream, session_stream, stream_json
+from ..records.tokenstream import (
+    divergence_report,
+    parse_stream,
+    run_stream,
+    session_stream,
+    stream_json,
+)
 
 
 class TokenStreamExtension(SingleFileSnapshotExtension):

@@ -32,6 +32,7 @@ from jinja2.sandbox import MAX_RANGE, ImmutableSandboxedEnvironment
 from ..errors import InputError, TemplateError
 from ..fileio import parse_json, read_input, read_input_text, sha256_bytes
 from .gguf_file import ModelFile
+from .tokenizer import Tokenizer
 
 
 def _one_line(e: BaseException) -> str:
@@ -353,6 +354,19 @@ class ChatTemplate:
             tool = {"type": "function", "function": {"name": "probe", "description": "d", "parameters": {"type": "object", "properties": {}}}}
             self._renders_tools = self.render(probe, tools=[tool]) != self.render(probe)
         return self._renders_tools
+
+    def render_with(self, tokenizer: Tokenizer, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:  # fmt: skip
+        """:meth:`render` with ``tokenizer``'s BOS and EOS texts as ``bos_token`` / ``eos_token`` (as HF passes them);
+        the one prompt renderer of runs, sessions and the server. Raises like :meth:`render`."""
+        tok = tokenizer
+        return self.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                           bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
+                           eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "")  # fmt: skip
+
+    def encode(self, tokenizer: Tokenizer, rendered: str) -> list[int]:
+        """Token ids of a whole rendered prompt: special tokens parsed, BOS as :attr:`add_bos` says."""
+        return tokenizer.encode(rendered, add_bos=self.add_bos, parse_special=True)
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, bos_token: str = "",
                eos_token: str = "", tools: list[dict[str, Any]] | None = None) -> str:  # fmt: skip

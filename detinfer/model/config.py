@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .arch import ARCHITECTURES
 from ..errors import ConfigError, GGUFError
+from .arch import ARCHITECTURES
 from .gguf_file import ModelFile
 
 

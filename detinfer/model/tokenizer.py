@@ -27,8 +27,8 @@ from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
 
 from ..errors import TokenizerError
 from ..fileio import sha256_bytes, write_cache
-from .gguf_file import ModelFile
 from ..paths import detinfer_home
+from .gguf_file import ModelFile
 
 # Token types whose text is matched verbatim before BPE (llama.cpp's special-token cache) and whose
 # bytes are their UTF-8 text. Only CONTROL and UNKNOWN are skipped when special tokens are not parsed.

@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from ..errors import GGUFError
 from . import quants, weights_cache
 from .arch import ARCHITECTURES
 from .config import ModelConfig, tensor_shapes
-from ..errors import GGUFError
 from .gguf_file import SUPPORTED_TYPES, ModelFile
 from .quants import QK, QK_K, dequantize, unpack_k_rows, unpack_q5_codes
 

@@ -36,9 +36,15 @@ from typing import Annotated, Any, BinaryIO, Iterator, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from ..compute.kvcache import (
+    KV_TYPES,
+    KVCache,
+    KVSnapshot,
+    canonical_layers,
+    digest_prefix,
+)
 from ..errors import InputError, KVFileError
 from ..fileio import atomic_writer, open_input
-from ..compute.kvcache import KV_TYPES, KVCache, KVSnapshot, canonical_layers, digest_prefix
 
 MAGIC = b"DETKV\0\0\0"
 FORMAT_VERSION = 1

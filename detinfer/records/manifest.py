@@ -28,10 +28,11 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
 from ..compute.constrain import Constraint
-from ..errors import KVTypeError, ManifestError
-from ..fileio import atomic_write_text, read_json
 from ..compute.kvcache import KV_QUANT_REASON, QUANTIZED_KV_TYPES
 from ..compute.numerics import NUMERICS_1
+from ..compute.sampling import Sampling, missing_fields
+from ..errors import KVTypeError, ManifestError
+from ..fileio import atomic_write_text, read_json
 
 SCHEMA_VERSION = 3
 READABLE_SCHEMAS = (1, 2, 3)  # 1: before ``chat_template``; 2: before ``constraint``; same fields otherwise
@@ -101,19 +102,6 @@ class EngineRecord(_Record):
     kv_type: Literal["f32", "f16"]
 
 
-class SamplingRecord(_Record):
-    temperature: float
-    top_k: int = Field(ge=0, lt=2**63)
-    top_p: float
-    min_p: float
-    repetition_penalty: float
-    repeat_last_n: int = Field(ge=0, lt=2**63)
-    seed: int = Field(ge=0, lt=2**64)
-    max_tokens: Count
-    stop: list[str]
-    ignore_eos: bool
-
-
 class OutputRecord(OmitNone, _Record):
     token_ids: list[TokenId]
     text: str
@@ -152,7 +140,7 @@ class RunManifest(_Record):
     constraint: Constraint | None = None
     numerics: str | None = None  # None: detinfer-numerics/1 (see recorded_numerics)
     prompt: PromptRecord
-    sampling: SamplingRecord
+    sampling: Sampling
     engine: EngineRecord
     output: OutputRecord
     section_sha256: dict[str, str] = {}
@@ -220,6 +208,8 @@ def load_manifest(path: str | Path) -> RunManifest:
             f"{path} has schema_version {version!r}; this detinfer (schema {SCHEMA_VERSION}) cannot read it"
             + ("; upgrade detinfer" if isinstance(version, int) and version > SCHEMA_VERSION else "")
         )
+    if missing := missing_fields(data.get("sampling")):  # a record states every option: no default fills a gap
+        raise ManifestError(f"{path} is not a valid manifest: sampling.{missing[0]}: Field required")
     kv_type = (data.get("engine") or {}).get("kv_type") if isinstance(data.get("engine"), dict) else None
     if kv_type in QUANTIZED_KV_TYPES:
         raise KVTypeError(f"{path} is not a valid manifest: engine.kv_type {kv_type!r} is rejected: {KV_QUANT_REASON}")

@@ -7,19 +7,22 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, Sequence
+from typing import Any, Callable, Generator
 
+import llvmlite
 import numba
 import numpy as np
-import llvmlite
 
-from ..version import __version__
 from ..compute import constrain
-from ..model.chat import BUILTIN_TEMPLATES, ChatTemplate
 from ..compute.constrain import Constraint
 from ..compute.engine import DEFAULT_CHUNK, Engine
-from ..errors import InputError, ManifestError, TemplateError
 from ..compute.generate import GenerationResult, Step, generate
+from ..compute.numerics import NUMERICS
+from ..compute.sampling import Sampling
+from ..errors import InputError, ManifestError, TemplateError
+from ..model.chat import BUILTIN_TEMPLATES, ChatTemplate
+from ..model.registry import REGISTRY
+from ..version import __version__
 from .machine import machine
 from .manifest import (
     ChatTemplateRecord,
@@ -30,13 +33,9 @@ from .manifest import (
     OutputRecord,
     PromptRecord,
     RunManifest,
-    SamplingRecord,
     cpu_name,
     tokens_sha256,
 )
-from ..compute.numerics import NUMERICS
-from ..model.registry import REGISTRY
-from ..compute.sampler import SamplingParams
 
 
 def versions() -> dict[str, str]:
@@ -66,10 +65,8 @@ def build_prompt(engine: Engine, *, text: str | None = None, messages: list[dict
                 f"({', '.join(BUILTIN_TEMPLATES)}) or a jinja file, or run without --chat"
             )
         msgs = messages if messages is not None else [{"role": "user", "content": text}]
-        bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
-        eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
-        rendered = template.render(msgs, add_generation_prompt=True, bos_token=bos, eos_token=eos)
-        ids = tok.encode(rendered, add_bos=template.add_bos, parse_special=True)
+        rendered = template.render_with(tok, msgs)
+        ids = template.encode(tok, rendered)
         return PromptRecord(
             text=None if messages is not None else text,
             messages=[Message(role=m["role"], content=m["content"]) for m in msgs],
@@ -106,12 +103,6 @@ def recorded_template(manifest: RunManifest | Any) -> ChatTemplate | None:
         raise ManifestError(f"the manifest's chat template cannot be used: {e}") from None
 
 
-def sampling_record(params: SamplingParams, *, max_tokens: int, stop: Sequence[str] = (), ignore_eos: bool = False) -> SamplingRecord:
-    if max_tokens < 1:
-        raise InputError(f"--max-tokens must be at least 1, got {max_tokens}")
-    return SamplingRecord(**params.model_dump(), max_tokens=max_tokens, stop=list(stop), ignore_eos=ignore_eos)
-
-
 def model_record(engine: Engine) -> ModelRecord:
     mf = engine.model_file
     registry_name = next((e.name for e in REGISTRY.values() if e.sha256 == mf.sha256), None)
@@ -127,7 +118,7 @@ def model_record(engine: Engine) -> ModelRecord:
 def execute(
     engine: Engine,
     prompt: PromptRecord,
-    sampling: SamplingRecord,
+    sampling: Sampling,
     *,
     chunk_size: int = DEFAULT_CHUNK,
     on_step: Callable[[Step], None] | None = None,
@@ -153,7 +144,7 @@ def execute(
 def execute_steps(
     engine: Engine,
     prompt: PromptRecord,
-    sampling: SamplingRecord,
+    sampling: Sampling,
     *,
     chunk_size: int = DEFAULT_CHUNK,
     template: ChatTemplate | None = None,
@@ -161,19 +152,8 @@ def execute_steps(
 ) -> Generator[Step, None, RunManifest]:
     """``execute`` as a generator: yields each Step as it is produced and returns the sealed manifest (the value
     of its StopIteration)."""
-    params = SamplingParams.from_dict(sampling.model_dump(exclude={"max_tokens", "stop", "ignore_eos"}))
     res = GenerationResult()
-    yield from generate(
-        engine,
-        prompt.token_ids,
-        params,
-        max_tokens=sampling.max_tokens,
-        stop=sampling.stop,
-        ignore_eos=sampling.ignore_eos,
-        chunk_size=chunk_size,
-        result=res,
-        constraint=constraint,
-    )
+    yield from generate(engine, prompt.token_ids, sampling, chunk_size=chunk_size, result=res, constraint=constraint)
     output = OutputRecord(
         token_ids=res.tokens,
         text=res.text,

@@ -25,12 +25,11 @@ import numpy as np
 from numba import njit
 
 from ..compute import kernels
-from .kvfile import load_kv, save_kv
-
 from ..compute.engine import Engine, set_threads
-from ..errors import DetinferError
 from ..compute.generate import GenerationResult, generate
-from ..compute.sampler import SamplingParams
+from ..compute.sampling import Sampling
+from ..errors import DetinferError
+from .kvfile import load_kv, save_kv
 
 DEFAULT_TEXT = (
     "Once upon a time, in a small village at the edge of a great forest, there lived a wise old woman who "
@@ -46,8 +45,8 @@ def fingerprint(engine: Engine, tokens: list[int], *, chunk_size: int, gen_token
     cache = engine.new_cache()
     logits = engine.forward(tokens, cache, all_logits=True, chunk_size=chunk_size)
     res = GenerationResult()
-    params = SamplingParams.create(temperature=0.8, top_p=0.9, top_k=40, seed=seed)
-    for _ in generate(engine, tokens, params, max_tokens=gen_tokens, ignore_eos=True, chunk_size=chunk_size, result=res):
+    sampling = Sampling.create(temperature=0.8, top_p=0.9, top_k=40, seed=seed, max_tokens=gen_tokens, ignore_eos=True)
+    for _ in generate(engine, tokens, sampling, chunk_size=chunk_size, result=res):
         pass
     return {
         "prompt_logits_sha256": hashlib.sha256(logits.astype("<f4").tobytes()).hexdigest(),

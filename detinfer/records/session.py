@@ -16,19 +16,33 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..model.chat import BUILTIN_TEMPLATES, ChatTemplate
 from ..compute.constrain import Constraint, json_schema_constraint
 from ..compute.engine import Engine
-from ..errors import InputError, ManifestError
-from ..fileio import atomic_write_text, read_json
 from ..compute.generate import GenerationResult, Step, check_prompt, generate
 from ..compute.kvcache import KVCache
-from .machine import machine
-from .manifest import ChatTemplateRecord, Count, EngineRecord, ModelRecord, OmitNone, TokenId, canonical_json
 from ..compute.numerics import NUMERICS, NUMERICS_1
 from ..compute.prefix_cache import PrefixCache
-from .run import first_difference, model_record, recorded_template, template_record, versions
-from ..compute.sampler import SamplingParams
+from ..compute.sampling import Sampling, SamplingOverrides
+from ..errors import InputError, ManifestError
+from ..fileio import atomic_write_text, read_json
+from ..model.chat import BUILTIN_TEMPLATES, ChatTemplate
+from .machine import machine
+from .manifest import (
+    ChatTemplateRecord,
+    Count,
+    EngineRecord,
+    ModelRecord,
+    OmitNone,
+    TokenId,
+    canonical_json,
+)
+from .run import (
+    first_difference,
+    model_record,
+    recorded_template,
+    template_record,
+    versions,
+)
 
 SESSION_SCHEMA_VERSION = 3
 READABLE_SESSION_SCHEMAS = (1, 2, 3)  # 1: before ``chat_template``; 2: before per-turn ``constraint``, tool calls, ``kept_tokens``
@@ -49,20 +63,6 @@ class ChatMessage(OmitNone, _Strict):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
-
-
-class TurnSampling(_Strict):
-    """Per-turn sampling overrides (any subset of the session's defaults)."""
-
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    repeat_last_n: int | None = None
-    seed: int | None = None
-    max_tokens: int | None = None
-    stop: list[str] | None = None
 
 
 class TurnConstraint(_Strict):
@@ -86,7 +86,7 @@ class TurnConstraint(_Strict):
 
 class ScriptTurn(_Strict):
     messages: list[ChatMessage] = Field(min_length=1)
-    sampling: TurnSampling | None = None
+    sampling: SamplingOverrides | None = None
     constraint: TurnConstraint | None = None
 
 
@@ -94,16 +94,8 @@ class SessionScript(_Strict):
     """Input: ``{"model": ..., "sampling": {...}, "turns": [{"messages": [...], "sampling": {...}}, ...]}``."""
 
     model: str | None = None
-    sampling: TurnSampling = TurnSampling()
+    sampling: SamplingOverrides = SamplingOverrides()
     turns: list[ScriptTurn] = Field(min_length=1)
-
-
-class _Limits(_Strict):
-    """The generation limits every recorded turn's ``sampling`` holds besides SamplingParams' fields."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-    max_tokens: Count
-    stop: list[str]
 
 
 class TurnRecord(OmitNone, _Strict):
@@ -114,7 +106,7 @@ class TurnRecord(OmitNone, _Strict):
 
     OMIT_NONE = ("kept_tokens", "tool_calls", "tool_call_format", "constraint", "mask_digests")
     messages: list[ChatMessage]
-    sampling: dict[str, Any]  # effective_sampling(): checked by load_session with _Limits and SamplingParams
+    sampling: dict[str, Any]  # effective_sampling(): the options set, plus max_tokens and stop; load_session checks it
     appended_token_ids: list[TokenId]
     generated_token_ids: list[TokenId]
     text: str
@@ -146,17 +138,14 @@ class SessionRecord(_Strict):
 DEFAULT_SAMPLING = {"max_tokens": 128, "stop": []}
 
 
-def effective_sampling(default: TurnSampling, override: TurnSampling | None) -> dict[str, Any]:
-    """Session defaults overlaid with a turn's overrides, as plain values (unset fields keep library defaults)."""
+def effective_sampling(default: SamplingOverrides, override: SamplingOverrides | None) -> dict[str, Any]:
+    """A turn's sampling as recorded: max_tokens and stop, and every option the session defaults or the turn's
+    overrides set (the rest are :class:`Sampling`'s defaults)."""
     merged = dict(DEFAULT_SAMPLING)
     for src in (default, override):
         if src is not None:
-            merged.update({k: v for k, v in src.model_dump().items() if v is not None})
+            merged.update(src.model_dump(exclude_none=True))
     return merged
-
-
-def _params(sampling: dict[str, Any]) -> SamplingParams:
-    return SamplingParams.from_dict({k: v for k, v in sampling.items() if k not in ("max_tokens", "stop")})
 
 
 def load_script(path: str | Path) -> SessionScript:
@@ -173,7 +162,7 @@ def parse_script(data: Any, *, where: str = "session script") -> SessionScript:
         err = e.errors()[0]
         raise InputError(f"{where}: {'.'.join(str(x) for x in err['loc'])}: {err['msg']}") from None
     for turn in script.turns:
-        _params(effective_sampling(script.sampling, turn.sampling))  # reject bad values before running anything
+        Sampling.create(**effective_sampling(script.sampling, turn.sampling))  # reject bad values before running anything
     return script
 
 
@@ -192,13 +181,7 @@ class Conversation:
         self.tokens: list[int] = []
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
-        tok = self.engine.tokenizer
-        return self.template.render(
-            messages,
-            add_generation_prompt=generation_prompt,
-            bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
-            eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
-        )
+        return self.template.render_with(self.engine.tokenizer, messages, add_generation_prompt=generation_prompt)
 
     def append_messages(self, messages: list[dict]) -> tuple[list[int], str | None]:
         """Tokens to append for ``messages`` followed by the assistant generation prompt, and a note when the
@@ -206,7 +189,7 @@ class Conversation:
         tok = self.engine.tokenizer
         full = self._render(self.messages + messages, True)
         if not self.tokens:
-            return tok.encode(full, add_bos=self.template.add_bos, parse_special=True), None
+            return self.template.encode(tok, full), None
         history_text = tok.decode(self.tokens)
         note = None
         if full.startswith(history_text):
@@ -264,12 +247,10 @@ def run_turn(
             f"but the context holds {engine.n_ctx}; raise --ctx"
         )
     check_prompt(engine, prompt)
-    if prefix_cache is not None:
-        prefix_cache.restore_longest(cache, prompt)
     res = GenerationResult()
     t0 = time.perf_counter()
-    for step in generate(engine, prompt, _params(sampling), max_tokens=sampling["max_tokens"], stop=sampling["stop"], cache=cache, result=res,
-                         constraint=constraint):  # fmt: skip
+    for step in generate(engine, prompt, Sampling.create(**sampling), cache=cache, result=res, constraint=constraint,
+                         prefix_cache=prefix_cache):
         if on_step:
             on_step(step)
     record = TurnRecord(
@@ -289,8 +270,6 @@ def run_turn(
         mask_digests=res.mask_digests if constraint is not None else None,
     )
     conv.add_turn(messages, appended, res.tokens, res.text, tool_calls, kept)
-    if prefix_cache is not None:
-        prefix_cache.store(cache)
     return record
 
 
@@ -330,10 +309,9 @@ def load_session(path: str | Path) -> SessionRecord:
         raise _invalid_record(path, e) from None
     for i, turn in enumerate(record.turns):  # values are checked here, before a replay uses any of them
         try:
-            _Limits.model_validate(turn.sampling)
-            _params(turn.sampling)
-        except ValidationError as e:
-            raise _invalid_record(path, e, f"turns.{i}.sampling.") from None
+            if missing := {"max_tokens", "stop"} - set(turn.sampling):  # every recorded turn states its limits
+                raise InputError(f"{sorted(missing)[0]} is missing")
+            Sampling.create(**turn.sampling)
         except InputError as e:
             raise ManifestError(f"{path} is not a valid session record: turns.{i}.sampling: {e}") from None
     if not isinstance(record.informative.get("model_path", ""), str):
@@ -349,7 +327,7 @@ def _invalid_record(path: Path, e: ValidationError, prefix: str = "") -> Manifes
 def run_session(
     engine: Engine,
     turns: list[ScriptTurn],
-    default_sampling: TurnSampling,
+    default_sampling: SamplingOverrides,
     *,
     out: str | Path | None = None,
     prior: SessionRecord | None = None,

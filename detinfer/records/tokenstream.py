@@ -14,8 +14,8 @@ from typing import Any, Callable, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
-from .manifest import RunManifest, TokenId, canonical_json
 from ..compute.numerics import NUMERICS_1
+from .manifest import RunManifest, TokenId, canonical_json
 from .run import first_difference
 from .session import ChatMessage, SessionRecord
 

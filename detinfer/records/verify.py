@@ -18,16 +18,28 @@ from pydantic import ValidationError
 
 from ..compute.constrain import Constraint
 from ..compute.engine import Engine
-from ..errors import DetinferError, ManifestError
-from ..fileio import load_json
-from ..compute.kvcache import parse_kv_type
-from .manifest import EngineRecord, PromptRecord, RunManifest, SamplingRecord, load_manifest, tokens_sha256
-from ..compute.numerics import NUMERICS
-from ..model.registry import name_for_sha256
-from ..fileio import read_json
 from ..compute.generate import GenerationResult, generate
-from .run import Difference, engine_for_manifest, excerpts, execute, first_difference, reexecute
-from ..compute.sampler import SamplingParams
+from ..compute.kvcache import parse_kv_type
+from ..compute.numerics import NUMERICS
+from ..compute.sampling import Sampling, missing_fields
+from ..errors import DetinferError, ManifestError
+from ..fileio import load_json, read_json
+from ..model.registry import name_for_sha256
+from .manifest import (
+    EngineRecord,
+    PromptRecord,
+    RunManifest,
+    load_manifest,
+    tokens_sha256,
+)
+from .run import (
+    Difference,
+    engine_for_manifest,
+    excerpts,
+    execute,
+    first_difference,
+    reexecute,
+)
 from .session import load_session, replay_turns
 from .tokenstream import RunStream, SessionStream
 
@@ -122,7 +134,7 @@ def _is_golden(path: Path) -> bool:
     return isinstance(data, dict) and "output_token_ids" in data and "schema_version" not in data
 
 
-def _golden_settings(path: Path, record: RunStream) -> tuple[int, str, bool, SamplingRecord, Constraint | None]:
+def _golden_settings(path: Path, record: RunStream) -> tuple[int, str, bool, Sampling, Constraint | None]:
     """(n_ctx, kv_type, chat, sampling, constraint) from a golden record's settings; ManifestError naming a missing or
     bad key."""
     settings = dict(record.settings)
@@ -130,7 +142,9 @@ def _golden_settings(path: Path, record: RunStream) -> tuple[int, str, bool, Sam
         n_ctx, kv_type, chat = settings.pop("n_ctx"), settings.pop("kv_type"), settings.pop("chat")
         EngineRecord(n_ctx=n_ctx, kv_type=parse_kv_type(kv_type))  # a quantized KV type is rejected with its reason
         constraint = Constraint.model_validate(settings.pop("constraint")) if "constraint" in settings else None
-        sampling = SamplingRecord(**settings)
+        if missing := missing_fields(settings):  # a record states every option
+            raise KeyError(missing[0])
+        sampling = Sampling.model_validate(settings)
     except KeyError as e:
         raise ManifestError(f"{path} is not a valid golden record: settings.{e.args[0]} is missing") from None
     except ValidationError as e:
@@ -258,9 +272,7 @@ def replay_stream(engine: Engine, stream: SessionStream) -> list[tuple[list[int]
     for turn in stream.turns:
         prompt = history + turn.prompt_token_ids
         res = GenerationResult()
-        sampling = {k: v for k, v in turn.sampling.items() if k not in ("max_tokens", "stop")}
-        for _ in generate(engine, prompt, SamplingParams.from_dict(sampling), max_tokens=turn.sampling["max_tokens"],
-                          stop=turn.sampling["stop"], cache=cache, result=res):
+        for _ in generate(engine, prompt, Sampling.create(**turn.sampling), cache=cache, result=res):
             pass
         got = (res.tokens, res.text, res.stop_reason)
         diffs = [f for f, a, b in zip(("output_token_ids", "text", "stop_reason"), (turn.output_token_ids, turn.output_text, turn.stop_reason), got) if a != b]

@@ -15,64 +15,28 @@ import hashlib
 import json
 import time
 from collections import OrderedDict
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import Field, ValidationError
+from pydantic import ValidationError
 
 from ..compute.generate import GenerationResult
+from ..model.tool_parsers import Reply
 from ..records.manifest import tokens_sha256
-from .server import ApiError, ChatRequest, Job, Server, _BoundedStream, _Req, _validation_error
-from .tool_calls import Reply, StreamSplitter
+from .chat_completions import ChatCompletions
+from .protocol import (
+    ApiError,
+    ChatRequest,
+    NamedFunction,
+    ResponsesRequest,
+    parse,
+    validation_error,
+)
+from .serving import BoundedStream, Server, StreamSplitter, detinfer_hashes
+from .worker import Job
 
 MAX_REMEMBERED = 256  # responses whose conversation previous_response_id can continue
-
-
-class FunctionTool(_Req):
-    type: Literal["function"]
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class TextFormat(_Req):
-    type: Literal["text"]
-
-
-class TextOptions(_Req):
-    format: TextFormat | None = None
-    verbosity: Literal["medium"] | None = None
-
-
-class NamedFunction(_Req):
-    """The Responses API's named tool choice (flat, unlike chat completions' ``{"function": {"name"}}``)."""
-
-    type: Literal["function"]
-    name: str
-
-
-class ResponsesRequest(_Req):
-    """The Responses parameters detinfer honours; any other is a 400 naming it (never silently ignored)."""
-
-    model: str
-    input: str | list[dict[str, Any]]
-    instructions: str | None = None
-    tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
-    parallel_tool_calls: bool | None = None
-    previous_response_id: str | None = None
-    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
-    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
-    max_output_tokens: int | None = Field(None, ge=1)
-    stream: bool | None = False
-    store: bool | None = None  # responses are kept in memory either way (for previous_response_id)
-    metadata: dict[str, str] | None = None
-    include: list[str] | None = Field(None, max_length=0)  # nothing extra can be included
-    truncation: Literal["disabled"] | None = None
-    text: TextOptions | None = None
-    user: str | None = None
 
 
 def _text(content: Any, param: str) -> str:
@@ -114,7 +78,7 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
 
 def _id(prefix: str, job: Job, i: int = 0) -> str:
     """A response's or item's id: a hash of everything its output depends on (prompt, sampling, limits)."""
-    key = f"{prefix}:{tokens_sha256(job.prompt)}:{job.params.model_dump_json()}:{job.max_tokens}:{json.dumps(job.stop)}:{i}"
+    key = f"{prefix}:{tokens_sha256(job.prompt)}:{job.sampling.model_dump_json()}:{i}"
     return f"{prefix}_" + hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
@@ -133,8 +97,8 @@ def output_items(reply: Reply, job: Job) -> list[dict[str, Any]]:
 class Responses:
     """The /v1/responses endpoint of one Server, with the conversations of its recent responses."""
 
-    def __init__(self, server: Server):
-        self.server = server
+    def __init__(self, server: Server, chat: ChatCompletions):
+        self.server, self.chat = server, chat
         self.remembered: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
 
     def _chat_request(self, req: ResponsesRequest) -> tuple[ChatRequest, list[dict[str, Any]]]:
@@ -158,7 +122,7 @@ class Responses:
         try:
             return ChatRequest.model_validate({k: v for k, v in chat.items() if v is not None}), messages
         except ValidationError as e:
-            raise _validation_error(e) from None
+            raise validation_error(e) from None
 
     def _remember(self, job: Job, messages: list[dict[str, Any]], reply: Reply) -> str:
         response_id = _id("resp", job)
@@ -187,24 +151,21 @@ class Responses:
         return body
 
     async def serve(self, request: Request, data: dict) -> Response:
-        try:
-            req = ResponsesRequest.model_validate(data)
-        except ValidationError as e:
-            raise _validation_error(e) from None
+        req = parse(ResponsesRequest, data)
         chat, messages = self._chat_request(req)
         chat.check()
-        job, events, release = await self.server.submit(chat)
+        job, events, release = await self.server.submit(lambda: self.chat.prepare(chat))
         created = int(time.time())
         if req.stream:
-            return _BoundedStream(self._events(req, job, events, release, messages, created), self.server.settings.send_timeout,
-                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})  # fmt: skip
+            return BoundedStream(self._events(req, job, events, release, messages, created), self.server.settings.send_timeout)
         done = await self.server.collect(request, job, events, release)
         if done is None:
             return Response(status_code=499)
         res, _ = done
         reply = job.reply(res)
         body = self._body(req, self._remember(job, messages, reply), created, output_items(reply, job), res, len(job.prompt))
-        return JSONResponse(body, headers={"x-detinfer-output-sha256": tokens_sha256(res.tokens), "x-detinfer-kv-sha256": res.kv_sha256})
+        hashes = detinfer_hashes(res)
+        return JSONResponse(body, headers={"x-detinfer-output-sha256": hashes["output_sha256"], "x-detinfer-kv-sha256": hashes["kv_sha256"]})
 
     async def _events(self, req: ResponsesRequest, job: Job, events, release, messages: list[dict[str, Any]], created: int):
         """The Responses event stream: text deltas as they are generated (call markup held back), then the items."""
@@ -264,7 +225,7 @@ class Responses:
                     yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index, arguments=item["arguments"])
                 yield event("response.output_item.done", output_index=index, item=item)
             body = self._body(req, self._remember(job, messages, reply), created, items, res, len(job.prompt))
-            body["detinfer"] = {"output_sha256": tokens_sha256(res.tokens), "kv_sha256": res.kv_sha256}
+            body["detinfer"] = detinfer_hashes(res)
             yield event("response.completed" if body["status"] == "completed" else "response.incomplete", response=body)
         finally:
             job.cancel.set()

@@ -1,0 +1,86 @@
+"""``POST /v1/chat/completions``: render the messages (and tools) with the chat template, generate, and answer with
+the reply's text or its tool calls, streamed or whole.
+
+Messages are taken as OpenAI clients send them (``developer`` as ``system``, text content parts joined, assistant
+``tool_calls`` with their arguments as objects for the template, as HF transformers passes them). ``tool_choice``
+required / named and ``response_format`` are constraints (compiled before any token, a 400 if bad). Logprobs
+(``logprobs`` + ``top_logprobs`` 0..20) are those of the model's raw next-token distribution, before temperature
+and top-p, with the fixed summation order of ``sampler.log_softmax_at``: they do not depend on the sampling
+parameters and the greedy token is always top-1; top lists are highest first, ties by the lowest token id, one entry
+per sampled token (an end-of-generation token and a stop string's tokens included).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..compute.generate import GenerationResult, Step
+from ..model.tool_parsers import Reply
+from .protocol import ChatRequest
+from .serving import Server, finite
+from .worker import Job
+
+
+def _json_object(arguments: str) -> Any:
+    """Tool call arguments as the object they encode, or the text as it is when it is not a JSON object."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
+
+
+class ChatCompletions:
+    id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, server: Server):
+        self.server = server
+
+    def prepare(self, req: ChatRequest) -> Job:
+        """The job of a chat request (in a thread): its prompt token ids, sampling, constraint and tools."""
+        server = self.server
+        engine, tpl = server.engine, server.template()
+        fmt = server.tool_format(req.tools)
+        messages = [m.template_dict(i) for i, m in enumerate(req.messages)]
+        for msg in messages:  # HF templates expect arguments as objects (transformers' chat template docs)
+            for call in msg.get("tool_calls", []):
+                call["function"]["arguments"] = _json_object(call["function"]["arguments"])
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        prompt = tpl.encode(engine.tokenizer, tpl.render_with(engine.tokenizer, messages, tools=tools))
+        server.check_length(prompt)
+        limit = req.max_completion_tokens or req.max_tokens
+        job = Job(prompt, req.sampling(limit or engine.n_ctx - len(prompt)), stream=bool(req.stream), messages=messages,
+                  logprobs_k=req.logprobs_k, constraint=req.constraint(fmt if req.forces_tool_call else None))  # fmt: skip
+        server.check_constraint(job, "tool_choice" if req.forces_tool_call else "response_format")
+        if req.tools and req.tool_choice != "none":
+            job.tool_format = fmt
+            job.tools = {t.function.name: t.function.parameters if t.function.strict else None for t in req.tools}
+            job.parallel_tool_calls = req.parallel_tool_calls is not False
+        return job
+
+    def message(self, reply: Reply, res: GenerationResult) -> dict[str, Any]:
+        return {"message": reply.message()}
+
+    def opening(self) -> dict[str, Any]:
+        return {"delta": {"role": "assistant", "content": ""}}
+
+    def text(self, text: str) -> dict[str, Any]:
+        return {"delta": {"content": text}}
+
+    def calls(self, calls: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"delta": {"tool_calls": calls}}
+
+    def closing(self) -> dict[str, Any]:
+        return {"delta": {}}
+
+    def logprobs(self, steps: list[Step], offset: int) -> dict[str, Any]:
+        tok = self.server.engine.tokenizer
+
+        def entry(token_id: int, logprob: float) -> dict:
+            b = tok.token_bytes(token_id)
+            return {"token": b.decode("utf-8", errors="replace"), "logprob": finite(logprob), "bytes": list(b)}
+
+        content = [dict(entry(s.token, s.logprob), top_logprobs=[entry(i, v) for i, v in s.top_logprobs])
+                   for s in steps if s.token is not None]  # fmt: skip
+        return {"content": content, "refusal": None}

@@ -1,0 +1,335 @@
+"""The OpenAI protocol as detinfer serves it: request models (pydantic, ``extra="forbid"``: every unknown or
+unsupported parameter is a 400 naming it, never silently ignored), the error shape, and the bounded body reader.
+
+Chat completions and completions share :class:`SamplingFields`; the Responses API has its own request
+(:class:`ResponsesRequest`) that serve/responses.py turns into a chat request. Ranges are OpenAI's where it has
+them; ``seed`` is the sampler's (0 <= seed < 2**64).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Literal
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import ClientDisconnect
+
+from ..compute.constrain import Constraint, json_schema_constraint, tool_call_constraint
+from ..compute.sampling import Sampling
+from ..errors import ConstraintError
+from ..fileio import parse_json
+from ..model.tool_parsers import ToolCallFormat
+
+MAX_BODY_BYTES = 1 << 20
+BODY_TIMEOUT_S = 30.0
+MAX_STOP = 4  # OpenAI's limit on stop sequences
+
+
+class ApiError(Exception):
+    """An error response in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error", headers: dict[str, str] | None = None):  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type, self.headers = status, message, param, code, type_, headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def validation_error(e: ValidationError) -> ApiError:
+    err = e.errors()[0]
+    param = ".".join(str(x) for x in err["loc"]) or None
+    if err["type"] == "extra_forbidden":
+        return ApiError(400, f"Unrecognized or unsupported request argument supplied: {param}", param=param, code="unsupported_parameter")
+    return ApiError(400, f"Invalid value for {param}: {err['msg']}", param=param, code="invalid_value")
+
+
+class _Req(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class FunctionCall(_Req):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Req):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Req):
+    """A chat message as OpenAI clients send it; ``developer`` is rendered as ``system``. Content parts other than
+    text (images, audio, files) cannot be honoured and are a 400 naming the part."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    function_call: None = None  # deprecated by OpenAI; clients echo it as null
+    audio: None = None
+    annotations: list[dict[str, Any]] | None = None  # citations of an earlier reply (output metadata, not rendered)
+
+    def text(self, param: str) -> str | None:
+        """The content as one string (text parts joined); ApiError naming ``param`` for a non-text part."""
+        if not isinstance(self.content, list):
+            return self.content
+        texts = []
+        for j, part in enumerate(self.content):
+            if part.get("type") not in ("text", "input_text", "output_text") or not isinstance(part.get("text"), str):
+                raise ApiError(400, f"{param}.{j}: only text content parts are supported, got type {part.get('type')!r}",
+                               param=f"{param}.{j}", code="unsupported_value")  # fmt: skip
+            texts.append(part["text"])
+        return "".join(texts)
+
+    def template_dict(self, i: int) -> dict[str, Any]:
+        """The message as a chat template sees it (HF style: tool call arguments as objects when they parse as one)."""
+        content = self.text(f"messages.{i}.content")
+        if content is None:
+            content = self.refusal
+        if content is None and not self.tool_calls:
+            raise ApiError(400, f"messages.{i}.content is required", param=f"messages.{i}.content")
+        msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        if self.tool_calls:
+            msg["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        for key in ("name", "tool_call_id"):
+            if getattr(self, key) is not None:
+                msg[key] = getattr(self, key)
+        return msg
+
+
+class StreamOptions(_Req):
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(_Req):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # accepted; the schema is enforced either way
+
+
+class ResponseFormat(_Req):
+    """``{"type": "text"}`` (no constraint), ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {...}}``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> Constraint | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return Constraint.create("json_object")
+        if self.json_schema is None:
+            raise ApiError(400, "response_format of type json_schema needs a json_schema object", param="response_format.json_schema")
+        return json_schema_constraint(self.json_schema.schema_ if self.json_schema.schema_ is not None else {})
+
+
+class FunctionName(_Req):
+    name: str
+
+
+class NamedToolChoice(_Req):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class SamplingFields(_Req):
+    """Parameters shared by both endpoints. Ranges are OpenAI's; seed is the sampler's (0 <= seed < 2**64)."""
+
+    model: str  # informative: the server serves one model and never resolves this as a name or path
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    max_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+    def check(self) -> None:
+        """Reject what the engine cannot do exactly, naming the parameter (never silently ignored)."""
+        if self.n not in (None, 1):
+            raise ApiError(400, f"n={self.n} is not supported; only n=1", param="n", code="unsupported_value")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise ApiError(400, f"{name} is not implemented; only 0 is accepted", param=name, code="unsupported_value")
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
+            raise ApiError(400, f"stop: at most {MAX_STOP} sequences, got {len(self.stop)}", param="stop", code="invalid_value")
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options", code="invalid_value")
+
+    def sampling(self, max_tokens: int) -> Sampling:
+        """The one mapping from OpenAI's fields onto detinfer's :class:`Sampling`, with OpenAI's defaults
+        (temperature 1, top_p 1); ``seed`` defaults to 0 (OpenAI has none). ``max_tokens``: the endpoint's limit."""
+        stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return Sampling.create(temperature=1.0 if self.temperature is None else float(self.temperature),
+                        top_p=1.0 if self.top_p is None else float(self.top_p), seed=self.seed or 0,
+                        max_tokens=max_tokens, stop=stop)  # fmt: skip
+
+
+class FunctionDef(_Req):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Req):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ChatRequest(SamplingFields):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # required / named: a constraint
+    response_format: ResponseFormat | None = None
+    parallel_tool_calls: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def check(self) -> None:
+        super().check()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs", code="invalid_value")
+
+    @property
+    def logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def forces_tool_call(self) -> bool:
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    def constraint(self, fmt: ToolCallFormat | None) -> Constraint | None:
+        """The constraint this request asks for: one tool call in the template's call format ``fmt`` for tool_choice
+        required / named, else the response_format's; ApiError 400 naming the parameter if it is invalid."""
+        param = "tool_choice" if self.forces_tool_call else "response_format"
+        try:
+            if self.forces_tool_call:
+                if not self.tools:
+                    raise ConstraintError(f"tool_choice {self.tool_choice!r} needs tools")
+                name = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+                tools = [t.model_dump(exclude_none=True) for t in self.tools]
+                return tool_call_constraint(tools, name, prefix=fmt.prefix, suffix=fmt.suffix, arguments_key=fmt.arguments_key)
+            return self.response_format.constraint() if self.response_format is not None else None
+        except ConstraintError as e:
+            raise ApiError(400, str(e), param=param, code="invalid_value") from None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int]
+    echo: bool | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check(self) -> None:
+        super().check()
+        for name, ok in (("echo", not self.echo), ("suffix", self.suffix is None),
+                         ("best_of", self.best_of in (None, 1))):  # fmt: skip
+            if not ok:
+                raise ApiError(400, f"{name} is not supported by this server", param=name, code="unsupported_parameter")
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
+            raise ApiError(400, "prompt: only one prompt per request", param="prompt", code="unsupported_value")
+
+    @property
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
+
+
+class FunctionTool(_Req):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class TextFormat(_Req):
+    type: Literal["text"]
+
+
+class TextOptions(_Req):
+    format: TextFormat | None = None
+    verbosity: Literal["medium"] | None = None
+
+
+class NamedFunction(_Req):
+    """The Responses API's named tool choice (flat, unlike chat completions' ``{"function": {"name"}}``)."""
+
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesRequest(_Req):
+    """The Responses parameters detinfer honours; any other is a 400 naming it (never silently ignored)."""
+
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = None
+    previous_response_id: str | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    max_output_tokens: int | None = Field(None, ge=1)
+    stream: bool | None = False
+    store: bool | None = None  # responses are kept in memory either way (for previous_response_id)
+    metadata: dict[str, str] | None = None
+    include: list[str] | None = Field(None, max_length=0)  # nothing extra can be included
+    truncation: Literal["disabled"] | None = None
+    text: TextOptions | None = None
+    user: str | None = None
+
+
+async def read_json(request: Request, limit: int, timeout: float = BODY_TIMEOUT_S) -> dict:
+    """The request body as a JSON object (bounded depth, valid UTF-8 strings: fileio.parse_json); 413 above
+    ``limit`` bytes (the rest is drained, not kept), 408 if it takes longer than ``timeout`` seconds to arrive."""
+    size, body = 0, bytearray()
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > 64 * limit:
+        raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {limit}", code="body_too_large")
+    try:
+        async with asyncio.timeout(timeout):
+            async for part in request.stream():
+                size += len(part)
+                if size <= limit:
+                    body += part
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} s", code="request_timeout") from None
+    except ClientDisconnect:
+        raise ApiError(499, "the client disconnected while sending the body", code="client_disconnected") from None
+    if size > limit:
+        raise ApiError(413, f"request body of {size} bytes exceeds the limit of {limit}", code="body_too_large")
+    data = parse_json(bytes(body), lambda msg: ApiError(400, f"the body is not valid JSON: {msg}", code="invalid_json"),
+                      "request body", "body")  # fmt: skip
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    return data
+
+
+def parse(model: type[_Req], data: dict) -> Any:
+    """``data`` validated as ``model`` (a 400 naming the first bad parameter), then its own checks."""
+    try:
+        req = model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
+    if hasattr(req, "check"):
+        req.check()
+    return req

@@ -1,0 +1,116 @@
+"""The decode worker: one thread that owns the KV cache and the prefix cache and runs one job at a time.
+
+numba's kernels and the KV cache are not shared across threads, and two thread pools on the same cores would
+slow each other many-fold, so every generation of the server runs here, in arrival order. A job's ``emit`` is
+called from this thread (thread-safe); the worker never waits for a client: a job whose client went away is
+cancelled between two steps, and its partial cache stays an exact prefix for later requests.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ..compute.constrain import Constraint
+from ..compute.engine import Engine, set_threads
+from ..compute.generate import GenerationResult, generate
+from ..compute.prefix_cache import PrefixCache
+from ..compute.sampling import Sampling
+from ..errors import DetinferError
+from ..model.chat import ChatTemplate
+from ..model.tool_parsers import Reply, ToolCallFormat
+from ..records.recorder import Exchange, Recorder
+from .protocol import ApiError
+
+
+@dataclass
+class Job:
+    """One generation handed to the worker: the prompt's token ids and sampling, how to reach the client (``emit``
+    of ("step", Step), ("done", GenerationResult) or ("error", ApiError)), and what the reply and the recorder need.
+    ``messages`` / ``note``: what a recorded turn keeps (``chat`` False: a raw /v1/completions prompt)."""
+
+    prompt: list[int]
+    sampling: Sampling
+    stream: bool
+    emit: Callable[[tuple[str, Any]], None] = lambda event: None  # set by Server.submit
+    chat: bool = True
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    note: str | None = None
+    logprobs_k: int | None = None  # None: no logprobs; else the top list's length (generate's logprobs_k)
+    constraint: Constraint | None = None
+    tool_format: ToolCallFormat | None = None  # None: the reply is text only
+    tools: dict[str, dict | None] = field(default_factory=dict)  # function name -> strict schema or None
+    parallel_tool_calls: bool = True
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+    def reply(self, res: GenerationResult) -> Reply:
+        """The assistant reply of ``res``: its tool calls parsed when the request offered tools."""
+        if self.tool_format is None:
+            return Reply(res.text)
+        return self.tool_format.parse(res.text, self.tools, call_id_seed=res.kv_sha256, parallel=self.parallel_tool_calls)
+
+
+class Worker:
+    """The single decode thread (see the module docstring). ``record_dir``: record every finished job there."""
+
+    def __init__(self, engine: Engine, *, threads: int | None, cache_bytes: int, record_dir: Path | None,
+                 chat_template: ChatTemplate | None, drain_s: float):  # fmt: skip
+        self.engine, self.threads, self.drain_s = engine, threads, drain_s
+        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self.prefix = PrefixCache(cache_bytes)
+        self.recorder = Recorder(record_dir, engine, chat_template) if record_dir is not None else None
+        self.thread = threading.Thread(target=self._loop, name="detinfer-decode", daemon=True)
+        self.current: Job | None = None
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Cancel the running job and every queued one, then wait at most ``drain_s`` for the thread (a daemon)."""
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancel.set()
+        if (job := self.current) is not None:
+            job.cancel.set()
+        self.jobs.put(None)
+        self.thread.join(timeout=self.drain_s)
+
+    def _loop(self) -> None:
+        set_threads(self.threads)  # numba's thread count is per calling thread
+        cache = self.engine.new_cache()
+        while (job := self.jobs.get()) is not None:
+            if job.cancel.is_set():
+                continue
+            self.current = job
+            try:
+                self._run(job, cache)
+            except DetinferError as e:
+                job.emit(("error", ApiError(400, str(e), code=type(e).__name__)))
+            except Exception as e:  # keep serving; report the failure to this request only
+                job.emit(("error", ApiError(500, f"internal error: {type(e).__name__}: {e}", type_="server_error")))
+            finally:
+                self.current = None
+
+    def _run(self, job: Job, cache) -> None:
+        res = GenerationResult()
+        t0 = time.perf_counter()
+        for step in generate(self.engine, job.prompt, job.sampling, cache=cache, result=res, logprobs_k=job.logprobs_k,
+                             constraint=job.constraint, prefix_cache=self.prefix):  # fmt: skip
+            if job.cancel.is_set():
+                return  # client gone: the partial cache is still an exact prefix for later requests
+            if job.stream or job.logprobs_k is not None:  # non-streaming logprobs are built from the same steps
+                job.emit(("step", step))
+        seconds = time.perf_counter() - t0
+        if self.recorder is not None:
+            reply = job.reply(res)
+            self.recorder.add(Exchange(job.prompt, job.chat, job.messages, job.note, res, job.sampling, reply,
+                                       job.tool_format.name if job.tool_format else None, job.constraint, seconds))
+        job.emit(("done", res))
