@@ -566,7 +566,8 @@ def replay(
         run_local,
         session_files,
     )
-    from .records.session import load_script, load_session, run_session
+    from .records.replay import branch
+    from .records.session import load_script, load_session
 
     warn = lambda msg: err.print(f"[yellow]warning:[/] {escape(msg)}")  # noqa: E731
     try:
@@ -591,9 +592,8 @@ def replay(
             engine = Engine.load(model or record.model.registry_name or record.informative.get("model_path"),
                                  n_ctx=record.engine.n_ctx, kv_type=record.engine.kv_type)
             sc = load_script(then)
-            prior = record.model_copy(update={"turns": record.turns[:until]})
-            run_session(engine, sc.turns, sc.sampling, prior=prior, out=out_path, prefix_cache=PrefixCache(cache_bytes),
-                        on_step=_stream(False), on_turn=lambda i, rec: (sys.stdout.write("\n"), _turn_line(i, rec)))
+            branch(engine, record, until, sc.turns, sc.sampling, out=out_path, prefix_cache=PrefixCache(cache_bytes),
+                   on_step=_stream(False), on_turn=lambda i, rec: (sys.stdout.write("\n"), _turn_line(i, rec)))
             err.print(f"replayed {until} turn(s) exactly, then ran {len(sc.turns)} new turn(s)"
                       + (f"; session: {escape(str(out_path))}" if out_path else ""))
             return

@@ -68,6 +68,28 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     fsync_dir(path.parent)
 
 
+def publish_new(path: str | os.PathLike, data: bytes) -> bool:
+    """Create ``path`` holding ``data`` only if nothing is there yet (a file, a symbolic link, anything): the bytes are
+    written to a temp file in the same folder, fsynced, then hard-linked to ``path``, which fails if the name exists.
+    So two writers racing for one name never replace each other, and a reader sees the whole file or none.
+    Returns False if ``path`` exists; raises OSError for a folder that cannot be written (ENOSPC included)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(tmp, path)
+    except FileExistsError:
+        return False
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    fsync_dir(path.parent)
+    return True
+
+
 def read_json(path: str | os.PathLike, error: type[Exception], what: str):
     """Parse a JSON file (see :func:`load_json`: a regular file, bounded size, depth and integers); an unreadable
     or non-JSON file raises ``error`` with one line naming it as ``what``."""

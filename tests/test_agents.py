@@ -21,6 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from detinfer.records.session import SessionRecord, session_json
+
 openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.frameworks
@@ -276,13 +278,17 @@ def test_every_agent_run_replays_in_a_fresh_process(base_url, model_path, tmp_pa
             shutil.copy(f, tmp_path / f.name)
     edited = json.loads(RUNS["test_langchain_bind_tools_agent_loop"][0].read_text())
     edited["turns"][-1]["text"] += " "
-    (tmp_path / "session-edited.json").write_text(json.dumps(edited))
+    (tmp_path / "session-edited-unsealed.json").write_text(json.dumps(edited))  # caught by its section hash
+    (tmp_path / "session-edited.json").write_text(session_json(SessionRecord.model_validate(edited)))  # resealed
     proc = subprocess.run([sys.executable, "-m", "detinfer.cli", "replay", str(tmp_path), "--threads", "1", "--json",
                            "--model", str(model_path)], capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = json.loads(proc.stdout)
-    assert {Path(r["session"]).name for r in rows if r["result"] != "match"} == {"session-edited.json"}
-    assert [r["differs"] for r in rows if r["result"] != "match"] == [["text"]]
+    assert {Path(r["session"]).name: r["result"] for r in rows if r["result"] != "match"} == {
+        "session-edited.json": "mismatch", "session-edited-unsealed.json": "bad input"}
+    assert [r["differs"] for r in rows if r["result"] == "mismatch"] == [["text"]]
+    assert [r["message"] for r in rows if r["result"] == "bad input"][0].endswith(
+        f"section(s) turn.{len(edited['turns'])} no longer match their sha256; the session record was edited")
     for test, files in RUNS.items():
         turns = [r for r in rows if Path(r["session"]).name in {f.name for f in files}]
         assert turns and all(r["result"] == "match" for r in turns), (test, turns)

@@ -25,7 +25,8 @@ from detinfer.compute.sampling import Sampling, SamplingOverrides
 from detinfer.errors import ConstraintError, InputError, ManifestError
 from detinfer.records.manifest import SCHEMA_VERSION, canonical_json, load_manifest
 from detinfer.records.run import build_prompt, execute, reexecute
-from detinfer.records.session import ScriptTurn, load_session, replay_turns, run_session
+from detinfer.records.session import ScriptTurn, load_session, run_session
+from detinfer.records.replay import replay_turns
 
 PERSON = "Describe a person as JSON."
 SCHEMAS = {

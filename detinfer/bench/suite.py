@@ -466,7 +466,8 @@ def session_figures(model: str, threads: int, runs: int) -> SessionFigures:
     from ..compute.prefix_cache import PrefixCache
     from ..model.chat import ChatTemplate
     from ..records.kvfile import load_kv, save_kv
-    from ..records.session import load_script, replay_turns, run_session
+    from ..records.session import load_script, run_session
+    from ..records.replay import replay_turns
 
     set_threads(threads)
     script = load_script(Path(__file__).resolve().parents[2] / "tests" / "data" / "agent20.json")

@@ -265,7 +265,8 @@ def replay_rows(state: WorkerState, path: str, *, model: str | None = None, use_
     DetinferError for a bad file or model."""
     from ..compute.engine import Engine
     from ..compute.prefix_cache import PrefixCache
-    from ..records.session import load_session, replay_turns
+    from ..records.session import load_session
+    from ..records.replay import replay_turns
 
     record = load_session(path)
     key = (record.model.sha256, record.engine.n_ctx, record.engine.kv_type)

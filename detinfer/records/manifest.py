@@ -161,7 +161,7 @@ class RunManifest(_Record):
     def compute_section_sha256(self) -> dict[str, str]:
         """sha256 of the canonical JSON of each contract section."""
         contract = self.contract()
-        return {k: hashlib.sha256(canonical_json(contract[k]).encode()).hexdigest() for k in self.contract_fields()}
+        return section_hashes({k: contract[k] for k in self.contract_fields()})
 
     def sealed(self) -> "RunManifest":
         """This manifest with ``section_sha256`` filled in."""
@@ -175,6 +175,11 @@ class RunManifest(_Record):
 def canonical_json(data: Any) -> str:
     """Sorted keys, 2-space indent, UTF-8 (not ASCII-escaped), trailing newline: one byte form per content."""
     return json.dumps(data, sort_keys=True, indent=2, ensure_ascii=False) + "\n"
+
+
+def section_hashes(sections: dict[str, Any]) -> dict[str, str]:
+    """sha256 hex of each section's canonical JSON: what a record's ``section_sha256`` holds."""
+    return {k: hashlib.sha256(canonical_json(v).encode("utf-8")).hexdigest() for k, v in sections.items()}
 
 
 def cpu_name() -> str:

@@ -10,6 +10,7 @@ record says so in ``template_note``.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any, Callable, Literal
@@ -34,18 +35,24 @@ from .manifest import (
     ModelRecord,
     OmitNone,
     TokenId,
-    canonical_json,
+    section_hashes,
 )
 from .run import (
-    first_difference,
     model_record,
     recorded_template,
     template_record,
     versions,
 )
 
-SESSION_SCHEMA_VERSION = 3
-READABLE_SESSION_SCHEMAS = (1, 2, 3)  # 1: before ``chat_template``; 2: before per-turn ``constraint``, tool calls, ``kept_tokens``
+SESSION_SCHEMA_VERSION = 4
+# 1: before ``chat_template``; 2: before per-turn ``constraint``, tool calls, ``kept_tokens``; 3: before
+# ``section_sha256`` and the turn fields that bind messages to tokens (``rendering``, ``tools``, ``reply_as_sent``)
+READABLE_SESSION_SCHEMAS = (1, 2, 3, 4)
+# A turn's fields that are recorded but never part of its hash or its comparison: timings and how much of the prompt
+# a cache happened to hold (which depends on what ran before in the process)
+INFORMATIVE_TURN_FIELDS = {"seconds", "reused_tokens"}
+# A replayed turn keeps these of its record: how its messages render, and its reply's calls
+BINDING_FIELDS = ("rendering", "tools", "reply_as_sent", "parallel_tool_calls", "tool_calls", "tool_call_format")
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -102,9 +109,17 @@ class TurnRecord(OmitNone, _Strict):
     """One turn. ``kept_tokens``: how many tokens of the history (previous prompt + output) the turn keeps before
     its appended tokens (None: all of them), for a client that re-sent the history rendered differently from the
     tokens, e.g. a tool call. ``tool_calls``: the calls parsed from ``text`` (format ``tool_call_format``).
-    ``constraint``: the grammar this turn's output had to match, with its ``mask_digests`` chain."""
+    ``constraint``: the grammar this turn's output had to match, with its ``mask_digests`` chain.
 
-    OMIT_NONE = ("kept_tokens", "tool_calls", "tool_call_format", "constraint", "mask_digests")
+    What binds ``messages`` to ``appended_token_ids`` (schema 4; replay re-renders and compares, records/binding.py):
+    ``rendering`` "delta" (session run, chat: the chat template's text after the history, tokenized alone), "whole"
+    (the server: the whole conversation so far, with ``tools``, rendered and tokenized, the tokens after the
+    ``kept_tokens`` prefix appended) or "raw" (a /v1/completions prompt: no messages); ``reply_as_sent``: the
+    previous reply as the request re-sent it, where that differs from the reply this record holds;
+    ``parallel_tool_calls`` False: only the first call of ``text`` was taken."""
+
+    OMIT_NONE = ("kept_tokens", "tool_calls", "tool_call_format", "constraint", "mask_digests", "rendering", "tools",
+                 "reply_as_sent", "parallel_tool_calls")
     messages: list[ChatMessage]
     sampling: dict[str, Any]  # effective_sampling(): the options set, plus max_tokens and stop; load_session checks it
     appended_token_ids: list[TokenId]
@@ -121,10 +136,18 @@ class TurnRecord(OmitNone, _Strict):
     tool_call_format: str | None = None
     constraint: Constraint | None = None
     mask_digests: list[str] | None = None
+    rendering: Literal["delta", "whole", "raw"] | None = None  # None: recorded before schema 4
+    tools: list[dict[str, Any]] | None = None
+    reply_as_sent: ChatMessage | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class SessionRecord(_Strict):
-    schema_version: Literal[1, 2, 3] = SESSION_SCHEMA_VERSION
+    """A recorded session. ``section_sha256`` (schema 4) holds the sha256 of each section's canonical JSON:
+    ``model``, ``tokenizer_sha256``, ``chat_template_sha256``, ``chat_template``, ``numerics``, ``engine``, and
+    ``turn.N`` for each turn (without its informative fields), so an edited record is refused naming the section."""
+
+    schema_version: Literal[1, 2, 3, 4] = SESSION_SCHEMA_VERSION
     model: ModelRecord
     tokenizer_sha256: str
     chat_template_sha256: str | None
@@ -132,7 +155,20 @@ class SessionRecord(_Strict):
     numerics: str = NUMERICS_1  # detinfer.numerics.NUMERICS of the recording; absent in numerics-1 records
     engine: EngineRecord
     turns: list[TurnRecord]
+    section_sha256: dict[str, str] = {}
     informative: dict[str, Any] = {}
+
+    def compute_section_sha256(self) -> dict[str, str]:
+        data = self.model_dump(mode="json")
+        sections = {k: data[k] for k in ("model", "tokenizer_sha256", "chat_template_sha256", "chat_template", "numerics",
+                                         "engine")}  # fmt: skip
+        sections.update({f"turn.{i}": {k: v for k, v in t.items() if k not in INFORMATIVE_TURN_FIELDS}
+                         for i, t in enumerate(data["turns"], start=1)})  # fmt: skip
+        return section_hashes(sections)
+
+    def sealed(self) -> "SessionRecord":
+        """This record with ``section_sha256`` filled in (and the current schema version)."""
+        return self.model_copy(update={"schema_version": SESSION_SCHEMA_VERSION, "section_sha256": self.compute_section_sha256()})
 
 
 DEFAULT_SAMPLING = {"max_tokens": 128, "stop": []}
@@ -201,13 +237,20 @@ class Conversation:
         return tok.encode(delta, add_bos=False, parse_special=True), note
 
     def add_turn(self, messages: list[dict], appended: list[int], generated: list[int], text: str,
-                 tool_calls: list[dict] | None = None, kept: int | None = None) -> None:  # fmt: skip
-        """Append a turn; ``kept``: history tokens the turn kept (the rest are dropped first), ``tool_calls``: the reply's calls."""
-        reply: dict[str, Any] = {"role": "assistant", "content": text}
-        if tool_calls:
-            reply.update(content="", tool_calls=tool_calls)
-        self.messages += messages + [reply]
+                 tool_calls: list[dict] | None = None, kept: int | None = None, reply_as_sent: dict | None = None) -> None:  # fmt: skip
+        """Append a turn; ``kept``: history tokens the turn kept (the rest are dropped first), ``tool_calls``: the
+        reply's calls, ``reply_as_sent``: the previous reply as this turn's request re-sent it (it replaces that reply)."""
+        if reply_as_sent is not None and self.messages:
+            self.messages[-1] = reply_as_sent
+        self.messages += messages + [reply_message(text, tool_calls)]
         self.tokens = self.tokens[:kept] + appended + generated
+
+
+def reply_message(text: str, tool_calls: list[dict] | None = None) -> dict[str, Any]:
+    """An assistant reply as a conversation's message history holds it: its text, or its calls (then no text)."""
+    if tool_calls:
+        return {"role": "assistant", "content": "", "tool_calls": tool_calls}
+    return {"role": "assistant", "content": text}
 
 
 def run_turn(
@@ -217,26 +260,25 @@ def run_turn(
     messages: list[dict],
     sampling: dict[str, Any],
     *,
-    appended: list[int] | None = None,
-    note: str | None = None,
-    kept: int | None = None,
-    tool_calls: list[dict] | None = None,
+    recorded: TurnRecord | None = None,
     on_step: Callable[[Step], None] | None = None,
     prefix_cache: PrefixCache | None = None,
     constraint: Constraint | None = None,
 ) -> TurnRecord:
-    """Append ``messages`` (or the recorded ``appended`` token ids, when replaying) and generate one turn, its output
-    matching ``constraint`` if given.
-
-    Replaying, ``kept`` (a turn's ``kept_tokens``) drops the history after that many tokens first, and ``tool_calls``
-    (the recorded reply's calls) go into the message history that later scripted turns are rendered after.
+    """Append ``messages`` and generate one turn, its output matching ``constraint`` if given; or, replaying a
+    ``recorded`` turn, append its token ids exactly (after keeping its ``kept_tokens`` of the history), and keep its
+    reply (text or calls) and the fields that bind its messages for the message history later turns render after.
 
     The cache is reused for whatever prefix it holds; with ``prefix_cache``, a longer cached prefix (from another
     conversation or an earlier branch) is restored first, and the turn's final cache is stored there. Reuse is
     exact either way. Raises InputError naming the token counts if the turn would overflow n_ctx.
     """
-    if appended is None:
+    if recorded is None:
         appended, note = conv.append_messages(messages)
+        kept, tool_calls, bound = None, None, {"rendering": "delta"}
+    else:
+        appended, note, kept, tool_calls = recorded.appended_token_ids, recorded.template_note, recorded.kept_tokens, recorded.tool_calls
+        bound = recorded.model_dump(include=set(BINDING_FIELDS))
     if kept is not None and kept > len(conv.tokens):
         raise InputError(f"the turn keeps {kept} history tokens but the history has {len(conv.tokens)}")
     history = conv.tokens[:kept]
@@ -268,8 +310,10 @@ def run_turn(
         kept_tokens=kept,
         constraint=constraint,
         mask_digests=res.mask_digests if constraint is not None else None,
+        **bound,
     )
-    conv.add_turn(messages, appended, res.tokens, res.text, tool_calls, kept)
+    resent = recorded.reply_as_sent.model_dump() if recorded is not None and recorded.reply_as_sent is not None else None
+    conv.add_turn(messages, appended, res.tokens, res.text, tool_calls, kept, resent)
     return record
 
 
@@ -291,9 +335,17 @@ def new_record(engine: Engine, turns: list[TurnRecord], template: ChatTemplate |
     )
 
 
+def session_json(record: SessionRecord) -> str:
+    """The JSON of a sealed ``record`` (the bytes written to its file): 2-space indent, UTF-8, keys in field order.
+    Keys are not sorted: the objects a client sent (tools, tool-call arguments) keep the key order the chat template
+    rendered, which replay renders again (records/binding.py). ``section_sha256`` hashes each section's canonical,
+    sorted JSON."""
+    return json.dumps(record.sealed().model_dump(mode="json"), indent=2, ensure_ascii=False) + "\n"
+
+
 def write_session(record: SessionRecord, path: str | Path) -> None:
-    """Write a session record atomically as canonical JSON."""
-    atomic_write_text(path, canonical_json(record.model_dump(mode="json")))
+    """Seal and write a session record atomically as canonical JSON."""
+    atomic_write_text(path, session_json(record))
 
 
 def load_session(path: str | Path) -> SessionRecord:
@@ -316,6 +368,11 @@ def load_session(path: str | Path) -> SessionRecord:
             raise ManifestError(f"{path} is not a valid session record: turns.{i}.sampling: {e}") from None
     if not isinstance(record.informative.get("model_path", ""), str):
         raise ManifestError(f"{path} is not a valid session record: informative.model_path must be a string")
+    if record.schema_version >= 4:
+        expected = record.compute_section_sha256()
+        edited = sorted(set(expected) ^ set(record.section_sha256)) + [k for k in expected if record.section_sha256.get(k, expected[k]) != expected[k]]
+        if edited:
+            raise ManifestError(f"{path}: section(s) {', '.join(edited)} no longer match their sha256; the session record was edited")
     return record
 
 
@@ -344,15 +401,14 @@ def run_session(
     instead of the model's; a branch (``prior``) keeps the template ``prior`` recorded.
     """
     if prior is not None:
-        template = _session_template(prior)
+        template = recorded_template(prior)
     conv = Conversation(engine, template)
     cache = engine.new_cache()
     records: list[TurnRecord] = []
     if prior is not None:
         for i, turn in enumerate(prior.turns):
-            rec = run_turn(engine, conv, cache, [m.model_dump() for m in turn.messages], turn.sampling,
-                           appended=turn.appended_token_ids, note=turn.template_note, kept=turn.kept_tokens,
-                           tool_calls=turn.tool_calls, prefix_cache=prefix_cache, constraint=_recorded_constraint(turn))
+            rec = run_turn(engine, conv, cache, [m.model_dump() for m in turn.messages], turn.sampling, recorded=turn,
+                           prefix_cache=prefix_cache, constraint=recorded_constraint(turn))
             if compare_turn(turn, rec):
                 raise ManifestError(f"turn {i + 1} of the recorded session does not replay exactly; cannot branch from it")
             records.append(turn)
@@ -386,12 +442,7 @@ def run_session(
     return new_record(engine, records, template)
 
 
-def _session_template(record: SessionRecord) -> ChatTemplate | None:
-    """The --chat-template a session recorded (rebuilt from its text), or None for the model's own."""
-    return recorded_template(record)  # same fields as a run manifest: chat_template, chat_template_sha256
-
-
-def _recorded_constraint(turn: TurnRecord) -> Constraint | None:
+def recorded_constraint(turn: TurnRecord) -> Constraint | None:
     """A recorded turn's constraint, checked against its sha256 (ManifestError if edited)."""
     if turn.constraint is not None:
         turn.constraint.check_sha256()
@@ -403,65 +454,3 @@ def compare_turn(expected: TurnRecord, actual: TurnRecord) -> list[str]:
     fields = ("kept_tokens", "appended_token_ids", "generated_token_ids", "text", "stop_reason", "kv_sha256", "logits_digests",
               "mask_digests")
     return [f for f in fields if getattr(expected, f) != getattr(actual, f)]
-
-
-def replay_turns(
-    engine: Engine,
-    record: SessionRecord,
-    *,
-    use_cache: bool = True,
-    kv_dir: str | Path | None = None,
-    until: int | None = None,
-    warn: Callable[[str], None] | None = None,
-    prefix_cache: PrefixCache | None = None,
-) -> list[tuple[TurnRecord, list[str], int | None]]:
-    """Re-execute recorded turns: for each, (actual turn, differing fields, first divergent step). A record of other
-    numerics (detinfer/numerics.py) differs in every turn, named first.
-
-    ``use_cache`` False recomputes every prefix from scratch (and ignores ``prefix_cache``); ``kv_dir`` restores
-    each turn's prefix from the snapshot saved after the previous turn (a bad snapshot is a cache miss: recompute,
-    warn).
-    """
-    if record.model.sha256 != engine.model_file.sha256:
-        raise ManifestError(
-            f"the session was recorded with model sha256 {record.model.sha256[:16]}... but {engine.model_file.path.name} "
-            f"has {engine.model_file.sha256[:16]}...; pass the right file with --model"
-        )
-    conv = Conversation(engine, _session_template(record))
-    cache = engine.new_cache()
-    results = []
-    for i, turn in enumerate(record.turns[:until]):
-        if not use_cache:
-            cache = engine.new_cache()
-        elif kv_dir is not None and i > 0:
-            cache = _restore_snapshot(engine, Path(kv_dir) / f"turn-{i:03d}.detkv", record.turns[i - 1].kv_sha256, warn) or cache
-        actual = run_turn(engine, conv, cache, [m.model_dump() for m in turn.messages], turn.sampling,
-                          appended=turn.appended_token_ids, note=turn.template_note, kept=turn.kept_tokens,
-                          tool_calls=turn.tool_calls, prefix_cache=prefix_cache if use_cache else None,
-                          constraint=_recorded_constraint(turn))
-        diffs = compare_turn(turn, actual)
-        if record.numerics != NUMERICS:
-            diffs.insert(0, f"numerics (recorded with {record.numerics}; this detinfer computes {NUMERICS}: record the session again)")
-        firsts = (first_difference(turn.logits_digests, actual.logits_digests),
-                  first_difference(turn.generated_token_ids, actual.generated_token_ids))
-        results.append((actual, diffs, min((k for k in firsts if k is not None), default=None)))
-    return results
-
-
-def _restore_snapshot(engine: Engine, path: Path, kv_sha256: str, warn: Callable[[str], None] | None) -> KVCache | None:
-    """The cache saved in ``path``, or None (a miss, with a warning) if it cannot be loaded or its contents do not
-    hash to ``kv_sha256``, the KV hash the session recorded after that turn (a forged or stale snapshot)."""
-    from ..errors import DetinferError, KVFileError
-    from .kvfile import load_kv
-
-    try:
-        snap = load_kv(path, model_sha256=engine.model_file.sha256, tokenizer_sha256=engine.tokenizer.hash)
-        if snap.digest() != kv_sha256:
-            raise KVFileError(f"its KV hash {snap.digest()[:16]}… differs from the {kv_sha256[:16]}… the session recorded")
-        cache = engine.new_cache()
-        cache.restore(snap)
-        return cache
-    except DetinferError as e:
-        if warn:
-            warn(f"KV snapshot {path} not used ({e}); recomputing")
-        return None

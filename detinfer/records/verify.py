@@ -24,7 +24,9 @@ from ..compute.numerics import NUMERICS
 from ..compute.sampling import Sampling, missing_fields
 from ..errors import DetinferError, ManifestError
 from ..fileio import load_json, read_json
+from ..model.chat import BUILTIN_TEMPLATES, ChatTemplate
 from ..model.registry import name_for_sha256
+from .binding import check_stream_turns
 from .manifest import (
     EngineRecord,
     PromptRecord,
@@ -32,6 +34,7 @@ from .manifest import (
     load_manifest,
     tokens_sha256,
 )
+from .replay import replay_turns
 from .run import (
     Difference,
     engine_for_manifest,
@@ -40,7 +43,7 @@ from .run import (
     first_difference,
     reexecute,
 )
-from .session import load_session, replay_turns
+from .session import load_session
 from .tokenstream import RunStream, SessionStream
 
 MATCH, MISMATCH, BAD_INPUT = "match", "mismatch", "bad input"
@@ -240,6 +243,7 @@ def verify_session(path: Path, engines: dict[tuple, Engine], *, model: str | Non
             engine = _session_engine(engines, stream.model_sha256, settings["n_ctx"], settings["kv_type"],
                                      model or name_for_sha256(stream.model_sha256), path)
             expected = [(t.output_token_ids, t.output_text, t.stop_reason) for t in stream.turns]
+            check_stream_turns(engine, _stream_template(engine, settings.get("chat_template_sha256"), path), stream.turns)
             turns = replay_stream(engine, stream)
     except ValidationError as e:
         return VerifyResult(str(path), BAD_INPUT, message=f"{path} is not a valid session snapshot: {e.errors()[0]['msg']}",
@@ -263,6 +267,17 @@ def verify_session(path: Path, engines: dict[tuple, Engine], *, model: str | Non
                 result.divergence = Divergence(step, e_id, a_id, e_tok, a_tok)
             break
     return result
+
+
+def _stream_template(engine: Engine, sha256: str | None, path: Path) -> ChatTemplate:
+    """The chat template a session snapshot names by sha256: the model's own or a built-in format (a snapshot does not
+    keep a template's text); ManifestError for any other, whose messages could not be checked."""
+    candidates = [engine.chat_template] + [ChatTemplate.builtin(name) for name in BUILTIN_TEMPLATES]
+    found = next((t for t in candidates if t is not None and t.hash == sha256), None)
+    if found is None:
+        raise ManifestError(f"{path}: the snapshot's chat template {str(sha256)[:16]}... is neither the model's nor a built-in "
+                            "format, so its messages cannot be checked against its tokens")  # fmt: skip
+    return found
 
 
 def replay_stream(engine: Engine, stream: SessionStream) -> list[tuple[list[int], str, str, list[str]]]:

@@ -51,7 +51,7 @@ class ChatCompletions:
         server.check_length(prompt)
         limit = req.max_completion_tokens or req.max_tokens
         job = Job(prompt, req.sampling(limit or engine.n_ctx - len(prompt)), stream=bool(req.stream), messages=messages,
-                  logprobs_k=req.logprobs_k, constraint=req.constraint(fmt if req.forces_tool_call else None))  # fmt: skip
+                  tool_defs=tools, logprobs_k=req.logprobs_k, constraint=req.constraint(fmt if req.forces_tool_call else None))  # fmt: skip
         server.check_constraint(job, "tool_choice" if req.forces_tool_call else "response_format")
         if req.tools and req.tool_choice != "none":
             job.tool_format = fmt

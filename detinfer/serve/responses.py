@@ -33,7 +33,7 @@ from .protocol import (
     parse,
     validation_error,
 )
-from .serving import BoundedStream, Server, StreamSplitter, detinfer_hashes
+from .serving import BoundedStream, Server, StreamSplitter, detinfer_hashes, detinfer_headers
 from .worker import Job
 
 MAX_REMEMBERED = 256  # responses whose conversation previous_response_id can continue
@@ -164,8 +164,7 @@ class Responses:
         res, _ = done
         reply = job.reply(res)
         body = self._body(req, self._remember(job, messages, reply), created, output_items(reply, job), res, len(job.prompt))
-        hashes = detinfer_hashes(res)
-        return JSONResponse(body, headers={"x-detinfer-output-sha256": hashes["output_sha256"], "x-detinfer-kv-sha256": hashes["kv_sha256"]})
+        return JSONResponse(body, headers=detinfer_headers(res, job))
 
     async def _events(self, req: ResponsesRequest, job: Job, events, release, messages: list[dict[str, Any]], created: int):
         """The Responses event stream: text deltas as they are generated (call markup held back), then the items."""
@@ -225,7 +224,7 @@ class Responses:
                     yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index, arguments=item["arguments"])
                 yield event("response.output_item.done", output_index=index, item=item)
             body = self._body(req, self._remember(job, messages, reply), created, items, res, len(job.prompt))
-            body["detinfer"] = detinfer_hashes(res)
+            body["detinfer"] = detinfer_hashes(res, job)
             yield event("response.completed" if body["status"] == "completed" else "response.incomplete", response=body)
         finally:
             job.cancel.set()

@@ -198,9 +198,18 @@ class Endpoint(Protocol):
     def logprobs(self, steps: list[Step], offset: int) -> dict[str, Any]: ...  # ``offset``: characters before steps
 
 
-def detinfer_hashes(res: GenerationResult) -> dict[str, str]:
-    """What a response carries to prove its bytes: the output tokens' and the final KV cache's sha256."""
-    return {"output_sha256": tokens_sha256(res.tokens), "kv_sha256": res.kv_sha256}
+def detinfer_hashes(res: GenerationResult, job: Job | None = None) -> dict[str, Any]:
+    """What a response carries to prove its bytes: the output tokens' and the final KV cache's sha256, and with
+    --record, ``recorded`` False when the turn could not be written (the server's log says why)."""
+    out: dict[str, Any] = {"output_sha256": tokens_sha256(res.tokens), "kv_sha256": res.kv_sha256}
+    if job is not None and job.recorded is False:
+        out["recorded"] = False
+    return out
+
+
+def detinfer_headers(res: GenerationResult, job: Job) -> dict[str, str]:
+    """:func:`detinfer_hashes` as response headers (``x-detinfer-output-sha256``, ``-kv-sha256``, ``-recorded``)."""
+    return {f"x-detinfer-{k.replace('_', '-')}": str(v).lower() if isinstance(v, bool) else v for k, v in detinfer_hashes(res, job).items()}
 
 
 def finish_reason(reply: Reply, res: GenerationResult) -> str:
@@ -225,8 +234,7 @@ async def respond(server: Server, request: Request, req: SamplingFields, endpoin
         choice["logprobs"] = endpoint.logprobs(steps, 0)
     body = dict(meta, object=endpoint.object, choices=[dict(choice, **endpoint.message(reply, res))],
                 usage=usage(len(job.prompt), res))
-    hashes = detinfer_hashes(res)
-    return JSONResponse(body, headers={"x-detinfer-output-sha256": hashes["output_sha256"], "x-detinfer-kv-sha256": hashes["kv_sha256"]})
+    return JSONResponse(body, headers=detinfer_headers(res, job))
 
 
 async def _sse(endpoint: Endpoint, job: Job, events: asyncio.Queue, meta: dict, include_usage: bool, release: Callable[[], None]):
@@ -259,7 +267,7 @@ async def _sse(endpoint: Endpoint, job: Job, events: asyncio.Queue, meta: dict, 
                 yield chunk(endpoint.text(rest))
             for i, call in enumerate(reply.tool_calls):
                 yield chunk(endpoint.calls([dict(call, index=i)]))
-            yield chunk(endpoint.closing(), finish_reason(reply, res), detinfer=detinfer_hashes(res))
+            yield chunk(endpoint.closing(), finish_reason(reply, res), detinfer=detinfer_hashes(res, job))
             if include_usage:
                 yield "data: " + json.dumps(dict(meta, object=endpoint.chunk_object, choices=[], usage=usage(len(job.prompt), res))) + "\n\n"
             break

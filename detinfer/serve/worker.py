@@ -39,6 +39,7 @@ class Job:
     emit: Callable[[tuple[str, Any]], None] = lambda event: None  # set by Server.submit
     chat: bool = True
     messages: list[dict[str, Any]] = field(default_factory=list)
+    tool_defs: list[dict[str, Any]] | None = None  # the request's tools as the chat template rendered them
     note: str | None = None
     logprobs_k: int | None = None  # None: no logprobs; else the top list's length (generate's logprobs_k)
     constraint: Constraint | None = None
@@ -46,6 +47,7 @@ class Job:
     tools: dict[str, dict | None] = field(default_factory=dict)  # function name -> strict schema or None
     parallel_tool_calls: bool = True
     cancel: threading.Event = field(default_factory=threading.Event)
+    recorded: bool | None = None  # with --record: whether the finished job's turn was written (set before "done")
 
     def reply(self, res: GenerationResult) -> Reply:
         """The assistant reply of ``res``: its tool calls parsed when the request offered tools."""
@@ -110,7 +112,8 @@ class Worker:
                 job.emit(("step", step))
         seconds = time.perf_counter() - t0
         if self.recorder is not None:
-            reply = job.reply(res)
-            self.recorder.add(Exchange(job.prompt, job.chat, job.messages, job.note, res, job.sampling, reply,
-                                       job.tool_format.name if job.tool_format else None, job.constraint, seconds))
+            ex = Exchange(job.prompt, job.chat, job.messages, job.note, res, job.sampling, job.reply(res),
+                          job.tool_format.name if job.tool_format else None, job.constraint, seconds, job.tool_defs,
+                          job.parallel_tool_calls)  # fmt: skip
+            job.recorded = self.recorder.add(ex) is not None
         job.emit(("done", res))
