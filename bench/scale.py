@@ -56,7 +56,7 @@ def end_to_end(verify: list[str], n: int, max_tokens: int) -> list[dict]:
                          "tokens": steps, "tok_s": round(steps / wall, 1), "load_before": load})
             out = Path(tmp) / name.replace(" ", "_")
             load = loadavg()
-            wall, proc = cli("run", "--batch", str(batch), "--out-dir", str(out), *options)
+            wall, proc = cli("batch", str(batch), "--out-dir", str(out), *options)
             files = {p.name: p.read_bytes() for p in sorted(out.glob("*.json"))}
             tokens = sum(len(json.loads(b)["output"]["token_ids"]) for b in files.values())
             rows.append({"work": f"batch of {n}", "config": name, "exit": proc.returncode, "wall_s": round(wall, 1),

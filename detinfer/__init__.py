@@ -12,6 +12,7 @@ _configure_jit()  # before any kernel compiles
 from .api import (  # noqa: E402
     LLM,
     Constraint,
+    Outcome,
     Result,
     Sampling,
     SessionResult,
@@ -19,8 +20,10 @@ from .api import (  # noqa: E402
     Stream,
     VerifyResult,
     load,
+    replay,
     verify,
 )
 from .errors import DetinferError  # noqa: E402
 
-__all__ = ["Constraint", "DetinferError", "LLM", "Result", "Sampling", "SessionResult", "Step", "Stream", "VerifyResult", "load", "verify", "__version__"]
+__all__ = ["Constraint", "DetinferError", "LLM", "Outcome", "Result", "Sampling", "SessionResult", "Step", "Stream", "VerifyResult", "load",
+           "replay", "verify", "__version__"]

@@ -17,8 +17,8 @@ from openai.types.chat import ChatCompletion
 
 import detinfer
 from detinfer.errors import DetinferError, InputError, KVTypeError
-from detinfer.records.session import load_session
 from detinfer.records.replay import replay_turns
+from detinfer.records.session import load_session
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
 

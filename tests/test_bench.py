@@ -162,10 +162,10 @@ def tiny_engine(tiny_model) -> Engine:
 
 
 def test_run_shows_the_compile_status_on_stderr_only(tmp_path, tiny_model, monkeypatch):
-    import detinfer.cli
+    import detinfer.cli.common
 
     real = Engine.warm_up
-    monkeypatch.setattr(detinfer.cli, "COMPILE_STATUS_DELAY_S", 0.0)  # as if compiling took long
+    monkeypatch.setattr(detinfer.cli.common, "COMPILE_STATUS_DELAY_S", 0.0)  # as if compiling took long
     monkeypatch.setattr(Engine, "warm_up", lambda engine: (time.sleep(0.5), real(engine)))
     r = cli(tmp_path, "run", "--model", tiny_model, "--prompt", "hi there", "-n", "3", "--ctx", "64")
     assert r.exit_code == 0, r.output

@@ -24,9 +24,9 @@ from detinfer.compute.generate import generate
 from detinfer.compute.sampling import Sampling, SamplingOverrides
 from detinfer.errors import ConstraintError, InputError, ManifestError
 from detinfer.records.manifest import SCHEMA_VERSION, canonical_json, load_manifest
-from detinfer.records.run import build_prompt, execute, reexecute
-from detinfer.records.session import ScriptTurn, load_session, run_session
 from detinfer.records.replay import replay_turns
+from detinfer.records.run import build_prompt, execute, reexecute_manifest
+from detinfer.records.session import ScriptTurn, load_session, run_session
 
 PERSON = "Describe a person as JSON."
 SCHEMAS = {
@@ -101,7 +101,7 @@ def test_same_bytes_at_one_and_two_threads_and_replay(engine):
     recorded = _run(engine, PERSON, json_schema_constraint(SCHEMAS["enum"]), temperature=0.9, seed=5)
     set_threads(2)
     try:
-        actual, comparison = reexecute(recorded, engine)
+        actual, comparison = reexecute_manifest(recorded, engine)
     finally:
         set_threads(1)
     assert comparison.match, comparison.differences

@@ -21,8 +21,8 @@ import pytest
 
 from detinfer.records.kvfile import load_kv
 from detinfer.records.manifest import load_manifest
+from detinfer.records.reader import collect
 from detinfer.records.session import load_session
-from detinfer.records.verify import collect
 
 REPO = Path(__file__).resolve().parents[1]
 TRIALS = 12

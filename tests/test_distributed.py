@@ -1,4 +1,4 @@
-"""Ray fan-out (`verify/replay --ray`, `run --batch`) against a real local Ray cluster, on the real SmolLM2 model.
+"""Ray fan-out (`verify/replay --ray`, `batch`) against a real local Ray cluster, on the real SmolLM2 model.
 
 One cluster per module (ray.init with 2 CPUs, bound to 127.0.0.1); the library runs in this process as the
 driver and the CLI runs in subprocesses that join the cluster by its address. Batch manifests are compared byte
@@ -30,11 +30,14 @@ from detinfer.integrations.batch import (
     batch_failed,
     batch_task,
     read_batch,
-    verify_task,
+    read_records,
+    reexecute_task,
 )
 from detinfer.integrations.distributed import check_address, fan_out, run_on_ray
+from detinfer.records.engines import EngineCache
+from detinfer.records.outcome import MATCH, Outcome
 from detinfer.records.session import ScriptTurn, run_session
-from detinfer.records.verify import MATCH, verify_file
+from detinfer.records.verify import reexecute_file
 
 ROOT = Path(__file__).resolve().parent.parent
 LINES = [  # short runs: plain, chat, seeded sampling, messages with a stop string, an f32 greedy list
@@ -84,7 +87,7 @@ def batch_file(tmp_path_factory) -> Path:
 
 
 def _run_batch(batch: Path, out_dir: Path, **kw) -> list:
-    """The driver side of `run --batch` through the library: each result written as it arrives."""
+    """The driver side of `batch` through the library: each result written as it arrives."""
     writer = BatchWriter(out_dir)
     todo, _ = writer.pending(read_batch(batch), resume=False)
     return fan_out(batch_task, todo, lambda i, r: writer.write(r), batch_failed, **kw)
@@ -124,7 +127,7 @@ def test_batch_manifests_are_byte_identical_without_ray_with_one_actor_and_two_i
     assert _files(tmp_path / "two") == reference
 
     # a batch manifest is a normal run manifest: verify re-executes it
-    assert verify_file(tmp_path / "two" / "sampled.json", {}).status == MATCH
+    assert reexecute_file(tmp_path / "two" / "sampled.json", EngineCache()).status == MATCH
     # negative control: another seed on one line changes that file's bytes, so the comparison above can fail
     changed = tmp_path / "changed.jsonl"
     changed.write_text(json.dumps({**LINES[2], "sampling": {**LINES[2]["sampling"], "seed": 8}}) + "\n")
@@ -209,7 +212,7 @@ def test_ctrl_c_keeps_written_results_and_resume_finishes_the_batch(cluster, ref
     # signal ignored: the child gets a terminal's Ctrl-C disposition instead (a handled signal resets to default).
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "detinfer.cli", "run", "--batch", batch_file, "--out-dir", out, "--ray", cluster],
+        proc = subprocess.Popen([sys.executable, "-m", "detinfer.cli", "batch", batch_file, "--out-dir", out, "--ray", cluster],
                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     finally:
         signal.signal(signal.SIGINT, previous)
@@ -226,9 +229,9 @@ def test_ctrl_c_keeps_written_results_and_resume_finishes_the_batch(cluster, ref
     assert all(load_manifest(out / k) for k in written)  # complete, sealed manifests
     assert not list(out.glob(".*.tmp"))  # atomic writes leave no partial files
 
-    again = _cli("run", "--batch", batch_file, "--out-dir", out)
+    again = _cli("batch", batch_file, "--out-dir", out)
     assert again.returncode == 2 and "pass --resume" in again.stderr and len(again.stderr.strip().splitlines()) == 1
-    resumed = _cli("run", "--batch", batch_file, "--out-dir", out, "--resume", "--threads", "1")
+    resumed = _cli("batch", batch_file, "--out-dir", out, "--resume", "--threads", "1")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"{len(written)} skipped" in resumed.stdout and f"ran {len(longer) + len(LINES) - len(written)}/" in resumed.stderr
     final = _files(out)
@@ -244,7 +247,7 @@ def test_a_bad_batch_line_is_bad_input_for_that_line_only(tmp_path):
     state = WorkerState()
     results = [batch_task(state, item) for item in items]
     assert [(r.id, r.status) for r in results] == [("plain", WRITTEN), ("line-2", BAD_INPUT), ("../x", BAD_INPUT), ("hot", BAD_INPUT)]
-    assert len(state.engines) == 1  # a worker loads a model once and keeps it
+    assert len(state.engines()) == 1  # a worker loads a model once and keeps it
     assert "not a JSON batch line" in results[1].message and "id" in results[2].message and "temperature" in results[3].message
     batch.write_text(json.dumps(LINES[0]) + "\n" + json.dumps(LINES[0]) + "\n")
     with pytest.raises(InputError, match="used on lines 1 and 2"):
@@ -269,8 +272,9 @@ def test_ray_address_forms():
         check_address("manifests/")
 
 
-def test_verify_task_on_a_worker_reports_a_missing_file_as_bad_input():
-    r = verify_task(WorkerState(), "no/such/manifest.json", pull=True)
+def test_a_file_that_cannot_be_read_is_bad_input_before_any_worker_runs():
+    (item,) = read_records([Path("no/such/manifest.json")])
+    r = reexecute_task(WorkerState(), item, pull=True)
     assert r.status == BAD_INPUT and "no/such/manifest.json" in r.message
 
 
@@ -285,9 +289,7 @@ def test_progress_on_a_terminal_is_a_bar_and_in_a_log_plain_lines():
     from rich.console import Console
 
     from detinfer.integrations.batch import ItemProgress
-    from detinfer.records.verify import VerifyResult
-
-    results = [VerifyResult("a.json", MATCH, steps=10), VerifyResult("b.json", "mismatch", steps=5)]
+    results = [Outcome("a.json", MATCH, steps=10), Outcome("b.json", "mismatch", steps=5)]
     for terminal in (True, False):
         buf = io.StringIO()
         progress = ItemProgress(Console(file=buf, force_terminal=terminal, width=120, highlight=False), "verified", 2, "on Ray (auto)")

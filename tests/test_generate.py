@@ -194,7 +194,7 @@ def test_prompt_filling_context_stops_before_sampling(small):
 @pytest.mark.parametrize(
     "case, match",
     [("too_long", "17 tokens"), ("empty", "empty"), ("max_tokens_0", "max_tokens=0"),
-     ("bad_token_id", "outside the vocabulary"), ("chunk_size_0", "chunk size")],
+     ("bad_token_id", "outside the vocabulary"), ("chunk_size_0", "--chunk-size must be at least 1")],
 )  # fmt: skip
 def test_invalid_requests_raise_input_error_and_engine_stays_usable(small, case, match):
     before = run(small, long_tokens(small, 14), max_tokens=2)[1]

@@ -105,6 +105,15 @@ def test_the_import_graph_has_no_cycle(graph):
     assert cycle is None, "import cycle: " + " -> ".join(m or "detinfer" for m in cycle or [])
 
 
+def test_the_cli_goes_through_the_library_api(graph):
+    """The CLI is a thin shell: it calls detinfer.api (and the server, integrations and bench built on it), never the
+    model, compute or records rooms below the API."""
+    below = [f"{a} imports {b}" for a, targets in sorted(graph.items()) if room(a) == "cli" for b in sorted(targets)
+             if room(b) in ("model", "compute", "records")]
+    assert not below, "\n".join(below)
+    assert "api" in {room(b) for b in graph["cli.run"]}  # control: the check sees the CLI's imports
+
+
 def test_modules_stay_short():
     long = {name: n for name, path in modules().items() if name not in LONG_ALLOWED
             and (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES}

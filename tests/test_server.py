@@ -24,8 +24,8 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from detinfer.compute.engine import Engine, set_threads  # noqa: E402
 from detinfer.compute.sampler import log_softmax_at, top_logits  # noqa: E402
-from detinfer.records.session import load_session  # noqa: E402
 from detinfer.records.replay import replay_turns
+from detinfer.records.session import load_session  # noqa: E402
 from detinfer.serve.app import create_app  # noqa: E402
 from detinfer.serve.serving import ServerSettings
 

@@ -17,8 +17,8 @@ from detinfer.cli import app
 from detinfer.compute.engine import Engine, set_threads
 from detinfer.compute.numerics import NUMERICS
 from detinfer.records.machine import machine
-from detinfer.records.session import SessionRecord, load_session
 from detinfer.records.replay import replay_turns
+from detinfer.records.session import SessionRecord, load_session
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "data" / "agent20.json"

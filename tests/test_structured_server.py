@@ -22,8 +22,8 @@ from detinfer.compute.generate import GenerationResult, generate  # noqa: E402
 from detinfer.compute.sampling import Sampling  # noqa: E402
 from detinfer.model.chat import ChatTemplate  # noqa: E402
 from detinfer.records.manifest import tokens_sha256  # noqa: E402
-from detinfer.records.session import load_session  # noqa: E402
 from detinfer.records.replay import replay_turns
+from detinfer.records.session import load_session  # noqa: E402
 from detinfer.serve.app import create_app  # noqa: E402
 from detinfer.serve.chat_completions import ChatCompletions  # noqa: E402
 from detinfer.serve.protocol import ChatRequest  # noqa: E402

@@ -16,8 +16,9 @@ from detinfer.integrations.ci_report import (
     junit_xml,
 )
 from detinfer.integrations.snapshot import TokenStreamExtension
+from detinfer.records.outcome import BAD_INPUT, MATCH, MISMATCH, Divergence
+from detinfer.records.outcome import Outcome as VerifyResult
 from detinfer.records.tokenstream import divergence_report
-from detinfer.records.verify import BAD_INPUT, MATCH, MISMATCH, Divergence, VerifyResult
 
 RUN = {"model_sha256": "ab" * 32, "settings": {"seed": 1, "n_ctx": 64}, "prompt_token_ids": [1, 2, 3],
        "output_token_ids": [5, 6, 7], "output_text": "xyz", "stop_reason": "eos"}

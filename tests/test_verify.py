@@ -176,7 +176,7 @@ def test_json_output_is_data_not_console_markup(home: Path, model_path: Path, re
     code, results, _ = verify_json(home, model_path, odd)
     assert code == 2
     res = results["run.json"]
-    assert res["path"] == str(odd) and res["message"].startswith(f"{odd} is not a JSON manifest"), res
+    assert res["path"] == str(odd) and res["message"].startswith(f"{odd} is not a JSON record"), res
 
 
 # ------------------------------------------------------------------------------------------ mismatches
@@ -254,7 +254,7 @@ BAD = {  # file name: (break a valid manifest's JSON, words the one-line message
     "tampered.json": (_tamper_seed, ["section(s) sampling", "edited"]),
     "q8_kv.json": (_q8_kv, ["'q8_0'", KV_QUANT_REASON]),
     "newer.json": (_newer_schema, [f"schema_version {SCHEMA_VERSION + 1}", f"schema {SCHEMA_VERSION}", "upgrade detinfer"]),
-    "truncated.json": (_truncated, ["not a JSON manifest", "truncated"]),
+    "truncated.json": (_truncated, ["not a JSON record", "truncated"]),
 }
 
 

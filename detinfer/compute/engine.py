@@ -36,6 +36,13 @@ PROGRESS_MARK = "compiling kernels"  # the CLI's status while warm_up runs (the 
 GROUP_JOBS = 8  # attention takes a whole GQA group per job from this many (token, KV head) jobs on (same bytes)
 
 
+def check_chunk_size(chunk_size: int) -> int:
+    """``chunk_size`` (prefill tokens per forward chunk) if it is at least 1; InputError otherwise."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise InputError(f"--chunk-size must be at least 1, got {chunk_size!r}")
+    return chunk_size
+
+
 def set_threads(threads: int | None) -> int:
     """Set numba's thread count (default: all cores numba sees). Never changes a result, only speed.
 
@@ -187,8 +194,7 @@ class Engine:
         n = ids.shape[0]
         if n == 0:
             raise InputError("no tokens to run")
-        if chunk_size < 1:
-            raise InputError(f"chunk size must be >= 1, got {chunk_size}")
+        check_chunk_size(chunk_size)
         if ids.min() < 0 or ids.max() >= cfg.n_vocab:
             bad = int(ids[(ids < 0) | (ids >= cfg.n_vocab)][0])
             raise InputError(f"token id {bad} is outside the vocabulary (0..{cfg.n_vocab - 1})")

@@ -25,7 +25,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from ..compute.sampling import Sampling
 from ..errors import DetinferError, InputError
-from ..fileio import atomic_write_text, load_json, parse_json, read_input_text
+from ..fileio import atomic_write_text, parse_json, read_input_text
+from ..model.registry import name_for_sha256
+from ..records.engines import EngineCache
+from ..records.manifest import load_manifest
+from ..records.outcome import Outcome, bad_input
+from ..records.reader import Record, read_record
+from ..records.verify import ReplayOptions, reexecute
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # a file name in DIR: no separators, no "..", no hidden files
 WRITTEN, SKIPPED, BAD_INPUT = "written", "skipped", "bad input"
@@ -34,11 +40,15 @@ R = TypeVar("R")
 
 @dataclass
 class WorkerState:
-    """What a worker keeps between items: engines by (model sha256 or path, n_ctx, kv_type), loaded once, and a
-    prefix cache per engine (replay)."""
+    """What a worker keeps between items: its engine caches (records/engines.py), one per --model override, so each
+    model is loaded once per worker whatever the item."""
 
-    engines: dict[tuple, Any] = field(default_factory=dict)
-    prefix_caches: dict[tuple, Any] = field(default_factory=dict)
+    caches: dict[str | None, EngineCache] = field(default_factory=dict)
+
+    def engines(self, model: str | None = None) -> EngineCache:
+        if model not in self.caches:
+            self.caches[model] = EngineCache(model)
+        return self.caches[model]
 
 
 # ------------------------------------------------------------------------------------------------ batch lines
@@ -136,6 +146,24 @@ def read_batch(path: Path, *, model: str | None = None, n_ctx: int = 4096, kv_ty
     return items
 
 
+def prepare_batch(path: Path, out_dir: Path, *, resume: bool = False, model: str | None = None, n_ctx: int = 4096,
+                  kv_type: str = "f32") -> tuple["BatchWriter", list[BatchItem], list[BatchResult]]:  # fmt: skip
+    """Everything ``detinfer batch`` checks before running: the output folder, the KV type, the batch file's lines and
+    ids, and which ids --resume skips. (writer, items to run, SKIPPED results); InputError / KVTypeError otherwise.
+    A --model path is made absolute: Ray workers see the driver's path, not its working folder."""
+    from ..compute.kvcache import parse_kv_type
+    from ..fileio import check_output_dir
+    from ..model.registry import REGISTRY
+
+    check_output_dir(out_dir, "--out-dir")
+    parse_kv_type(kv_type)
+    if model is not None and model not in REGISTRY:
+        model = str(Path(model).expanduser().absolute())
+    writer = BatchWriter(out_dir)
+    todo, skipped = writer.pending(read_batch(path, model=model, n_ctx=n_ctx, kv_type=kv_type), resume)
+    return writer, todo, skipped
+
+
 def _ensure(model: str | None, pull: bool) -> None:
     """On a worker with ``pull``: make a registry model present (a hash-verified pull if it is missing)."""
     from ..model.registry import DEFAULT_MODEL, REGISTRY, ensure_model
@@ -167,7 +195,6 @@ def batch_manifest(engine, item: BatchItem) -> Any:
 
 def batch_task(state: WorkerState, item: BatchItem, *, pull: bool = False) -> BatchResult:
     """Run one batch item; bad input (a bad line, prompt, model or sampling value) is a BAD_INPUT result."""
-    from ..compute.engine import Engine
     from ..model.registry import DEFAULT_MODEL
     from ..records.manifest import canonical_json
 
@@ -176,11 +203,8 @@ def batch_task(state: WorkerState, item: BatchItem, *, pull: bool = False) -> Ba
         return BatchResult(item.line, item.id, BAD_INPUT, message=item.error or "")
     try:
         model = item.spec.model or item.model or DEFAULT_MODEL
-        key = (model, item.n_ctx, item.kv_type)
-        if key not in state.engines:
-            _ensure(model, pull)
-            state.engines[key] = Engine.load(model, n_ctx=item.n_ctx, kv_type=item.kv_type)
-        manifest = batch_manifest(state.engines[key], item)
+        _ensure(model, pull)
+        manifest = batch_manifest(state.engines().load(model, item.n_ctx, item.kv_type), item)
     except DetinferError as e:
         return BatchResult(item.line, item.id, BAD_INPUT, message=f"{item.id}: {e}", seconds=time.perf_counter() - t0)
     return BatchResult(item.line, item.id, WRITTEN, tokens=len(manifest.output.token_ids), seconds=time.perf_counter() - t0,
@@ -199,12 +223,22 @@ class BatchWriter:
     def pending(self, items: list[BatchItem], resume: bool) -> tuple[list[BatchItem], list[BatchResult]]:
         """(items to run, SKIPPED results for ids already in the folder). Without ``resume`` an id already there
         is an InputError: a batch never overwrites a manifest silently."""
-        done = [it for it in items if it.spec is not None and self.path(it.id).is_file()]
+        done = [it for it in items if it.spec is not None and self.path(it.id).is_file() and (not resume or self._valid(it.id))]
         if done and not resume:
             raise InputError(f"{self.out_dir} already holds {len(done)} of this batch's manifests (e.g. {self.path(done[0].id).name}); "
                              "pass --resume to skip them, or choose another --out-dir")
         skip = {it.id for it in done}
         return [it for it in items if it.id not in skip], [BatchResult(it.line, it.id, SKIPPED) for it in done]
+
+    def _valid(self, id_: str) -> bool:
+        """Whether the manifest already written for ``id_`` reads back whole and unedited (a batch killed while
+        writing leaves none half-written, but a file may have been damaged since): --resume runs an invalid one
+        again, replacing it."""
+        try:
+            load_manifest(self.path(id_))
+        except DetinferError:
+            return False
+        return True
 
     def write(self, result: BatchResult) -> None:
         if result.manifest is not None:
@@ -215,107 +249,35 @@ class BatchWriter:
 # ------------------------------------------------------------------------------------------ verify and replay
 
 
-def _registry_name_of(path: Path) -> str | None:
-    """The registry model a manifest, golden record or session record names (None if none or unreadable: the
-    task itself then reports what is wrong with the file)."""
-    from ..model.registry import name_for_sha256
+def read_records(paths: Sequence[Path]) -> list[Record | Outcome]:
+    """The records of ``paths``, each read and parsed once (on the driver: workers get the parsed records), or the
+    bad-input outcome of a file that cannot be read."""
+    items: list[Record | Outcome] = []
+    for path in paths:
+        try:
+            items.append(read_record(path))
+        except DetinferError as e:
+            items.append(bad_input(str(path), str(e)))
+    return items
 
-    try:
-        data = load_json(path, InputError, "record")
-        model = data.get("model")
-        return model.get("registry_name") if isinstance(model, dict) else name_for_sha256(data.get("model_sha256"))
-    except (DetinferError, AttributeError):
-        return None
 
-
-def verify_task(state: WorkerState, path: str, *, model: str | None = None, pull: bool = False) -> Any:
-    """``verify`` of one manifest or golden record (a VerifyResult; bad input is its status, never raised)."""
-    from ..records.verify import BAD_INPUT as VERIFY_BAD_INPUT
-    from ..records.verify import VerifyResult, verify_file
-
+def reexecute_task(state: WorkerState, item: Record | Outcome, *, model: str | None = None,
+                   options: ReplayOptions = ReplayOptions(), pull: bool = False) -> Outcome:  # fmt: skip
+    """``verify`` / ``replay`` of one record (an Outcome; bad input is its status, never raised). A file that could
+    not be read arrives as its outcome already."""
+    if isinstance(item, Outcome):
+        return item
     try:
         if model is None:
-            _ensure(_registry_name_of(Path(path)), pull)
+            _ensure(next(iter(item.model_names), None) or name_for_sha256(item.model_sha256), pull)
     except DetinferError as e:
-        return VerifyResult(path, VERIFY_BAD_INPUT, message=str(e))
-    return verify_file(Path(path), state.engines, model=model)
+        return bad_input(str(item.path), str(e))
+    return reexecute(item, state.engines(model), options)
 
 
-@dataclass
-class ReplayResult:
-    """``replay`` of one session file: one row per turn, or a single bad-input row."""
-
-    path: str
-    rows: list[dict]
-
-    @property
-    def status(self) -> str:
-        return BAD_INPUT if any(r["result"] == BAD_INPUT for r in self.rows) else "mismatch" if any(r["differs"] for r in self.rows) else "match"
-
-    @property
-    def steps(self) -> int:
-        return sum(r["steps"] for r in self.rows)
-
-
-def replay_rows(state: WorkerState, path: str, *, model: str | None = None, use_cache: bool = True,
-                kv_dir: Path | None = None, until: int | None = None, cache_bytes: int = 1 << 30,
-                warn: Callable[[str], None] | None = None) -> list[dict]:  # fmt: skip
-    """Re-execute the turns of one session file: one row per turn (session, turn, result, differs,
-    first_divergent_step, reused_tokens, steps, and expected/actual (id, text) at a divergence). Raises
-    DetinferError for a bad file or model."""
-    from ..compute.engine import Engine
-    from ..compute.prefix_cache import PrefixCache
-    from ..records.session import load_session
-    from ..records.replay import replay_turns
-
-    record = load_session(path)
-    key = (record.model.sha256, record.engine.n_ctx, record.engine.kv_type)
-    if key not in state.engines:
-        state.engines.clear()  # one model in memory at a time
-        state.prefix_caches.clear()
-        state.engines[key] = Engine.load(model or record.model.registry_name or record.informative.get("model_path"),
-                                         n_ctx=record.engine.n_ctx, kv_type=record.engine.kv_type)
-        state.prefix_caches[key] = PrefixCache(cache_bytes)
-    engine = state.engines[key]
-    results = replay_turns(engine, record, use_cache=use_cache, kv_dir=kv_dir, until=until,
-                           prefix_cache=state.prefix_caches[key], warn=warn)
-    rows = []
-    for i, ((actual, diffs, step), expected) in enumerate(zip(results, record.turns), start=1):
-        row = {"session": path, "turn": i, "result": "match" if not diffs else "mismatch", "differs": diffs,
-               "first_divergent_step": step, "reused_tokens": actual.reused_tokens, "steps": len(actual.generated_token_ids)}
-        if diffs and step is not None:
-            pick = lambda ids: (ids[step], engine.tokenizer.decode([ids[step]])) if step < len(ids) else (None, "")  # noqa: E731
-            row["expected"], row["actual"] = pick(expected.generated_token_ids), pick(actual.generated_token_ids)
-        rows.append(row)
-    return rows
-
-
-def replay_task(state: WorkerState, path: str, *, pull: bool = False, **options) -> ReplayResult:
-    """``replay`` of one session file; a bad file or model is one bad-input row for that file."""
-    try:
-        if options.get("model") is None:
-            _ensure(_registry_name_of(Path(path)), pull)
-        return ReplayResult(path, replay_rows(state, path, **options))
-    except DetinferError as e:
-        return replay_failed(path, str(e))
-
-
-def session_files(paths: Sequence[Path]) -> list[Path]:
-    """Session files from files and folders (a folder: its *.json, sorted). Raises InputError for a missing path
-    or no files at all."""
-    files: list[Path] = []
-    for p in paths:
-        if p.is_dir():
-            files.extend(sorted(p.glob("*.json")))
-        elif p.is_file():
-            files.append(p)
-        elif p.exists():
-            raise InputError(f"{p} is not a regular file; pass session files or folders")
-        else:
-            raise InputError(f"{p} does not exist; pass session files or folders")
-    if not files:
-        raise InputError(f"no session files (*.json) in {', '.join(map(str, paths))}")
-    return files
+def reexecute_failed(item: Record | Outcome, reason: str) -> Outcome:
+    path = str(item.path)
+    return bad_input(path, f"{path}: {reason}")
 
 
 # ------------------------------------------------------------------------------------------ running and progress
@@ -382,18 +344,6 @@ class ItemProgress:
         self.console.print(f"{head}{self.verb} {self.done}/{self.total} {self.where} in {seconds:.1f} s: "
                            f"{self.mismatches} mismatch, {self.bad} bad input; {self.tokens} tokens, {self.rate():.1f} tok/s",
                            soft_wrap=True, markup=False)
-
-
-def verify_failed(path: str, reason: str) -> Any:
-    from ..records.verify import BAD_INPUT as VERIFY_BAD_INPUT
-    from ..records.verify import VerifyResult
-
-    return VerifyResult(path, VERIFY_BAD_INPUT, message=f"{path}: {reason}")
-
-
-def replay_failed(path: str, reason: str) -> ReplayResult:
-    return ReplayResult(path, [{"session": path, "turn": None, "result": BAD_INPUT, "differs": [], "message": reason,
-                                "first_divergent_step": None, "reused_tokens": 0, "steps": 0}])
 
 
 def batch_failed(item: BatchItem, reason: str) -> BatchResult:

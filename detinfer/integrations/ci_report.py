@@ -1,5 +1,5 @@
 """verify's results for CI systems: a JUnit XML file (one test case per file verified) and GitHub Actions
-annotation lines (``::error file=...::...``), both carrying the divergence report of :meth:`VerifyResult.report`."""
+annotation lines (``::error file=...::...``), both carrying the divergence report of :meth:`Outcome.report`."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import xml.etree.ElementTree as ET
 from typing import Sequence
 
 from ..fileio import atomic_write_text
-from ..records.verify import BAD_INPUT, MISMATCH, VerifyResult
+from ..records.outcome import BAD_INPUT, MISMATCH, Outcome
 
 
-def junit_xml(results: Sequence[VerifyResult], *, suite: str = "detinfer verify") -> str:
+def junit_xml(results: Sequence[Outcome], *, suite: str = "detinfer verify") -> str:
     """JUnit XML: a testsuite with one testcase per result (name: the file's path, time: seconds); a mismatch is a
     ``<failure>``, bad input an ``<error>``, each with the first report line as message and the report as text."""
     root = ET.Element("testsuites")
@@ -29,7 +29,7 @@ def junit_xml(results: Sequence[VerifyResult], *, suite: str = "detinfer verify"
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
 
 
-def write_junit(results: Sequence[VerifyResult], path: str | os.PathLike) -> None:
+def write_junit(results: Sequence[Outcome], path: str | os.PathLike) -> None:
     """Write :func:`junit_xml` to ``path`` atomically."""
     atomic_write_text(path, junit_xml(results))
 
@@ -40,7 +40,7 @@ def _escape(text: str, *, prop: bool = False) -> str:
     return text.replace(":", "%3A").replace(",", "%2C") if prop else text
 
 
-def github_annotations(results: Sequence[VerifyResult]) -> list[str]:
+def github_annotations(results: Sequence[Outcome]) -> list[str]:
     """One ``::error`` workflow command per mismatching or bad file, titled by its status, with the report as
     its (multi-line) message; GitHub shows it on the file in the run's summary and the pull request."""
     return [f"::error file={_escape(r.path, prop=True)},title={_escape('detinfer verify: ' + r.status, prop=True)}::"

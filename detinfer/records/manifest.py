@@ -198,13 +198,16 @@ def write_manifest(manifest: RunManifest, path: str | Path) -> None:
 
 
 def load_manifest(path: str | Path) -> RunManifest:
-    """Read and check a manifest.
+    """Read and check a manifest (:func:`parse_manifest`); ManifestError (one line) if it is unreadable or not JSON."""
+    return parse_manifest(read_json(Path(path), ManifestError, "manifest"), Path(path))
 
-    Raises ManifestError (one line) if the file is unreadable, not JSON, from another schema version,
-    schema-invalid, or edited after it was written (naming the section whose hash no longer matches).
+
+def parse_manifest(data: Any, path: Path) -> RunManifest:
+    """Check the parsed JSON ``data`` of the manifest file ``path``.
+
+    Raises ManifestError (one line) if it is from another schema version, schema-invalid, or edited after it was
+    written (naming the section whose hash no longer matches).
     """
-    path = Path(path)
-    data = read_json(path, ManifestError, "manifest")
     if not isinstance(data, dict):
         raise ManifestError(f"{path} is not a manifest: expected a JSON object")
     version = data.get("schema_version")

@@ -34,7 +34,14 @@ from ..errors import DetinferError
 from ..fileio import publish_new
 from ..model.chat import ChatTemplate
 from ..model.tool_parsers import Reply
-from .session import ChatMessage, TurnRecord, new_record, reply_message, session_json, write_session
+from .session import (
+    ChatMessage,
+    TurnRecord,
+    new_record,
+    reply_message,
+    session_json,
+    write_session,
+)
 
 log = logging.getLogger("detinfer.record")
 

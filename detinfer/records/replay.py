@@ -16,7 +16,16 @@ from ..errors import DetinferError, InputError, KVFileError, ManifestError
 from .binding import check_session
 from .kvfile import load_kv
 from .run import first_difference, recorded_template
-from .session import Conversation, ScriptTurn, SessionRecord, TurnRecord, compare_turn, recorded_constraint, run_session, run_turn
+from .session import (
+    Conversation,
+    ScriptTurn,
+    SessionRecord,
+    TurnRecord,
+    compare_turn,
+    recorded_constraint,
+    run_session,
+    run_turn,
+)
 
 
 def replay_turns(

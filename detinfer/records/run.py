@@ -5,7 +5,6 @@ This is the library API the CLI wraps; tests call it directly.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Generator
 
@@ -253,22 +252,7 @@ def excerpts(a, b, width: int = 80) -> tuple[str, str]:
     return cut(sa), cut(sb)
 
 
-def engine_for_manifest(manifest: RunManifest, model: str | os.PathLike | None = None) -> Engine:
-    """Load the model a manifest was recorded with (or ``model``) with the manifest's engine settings.
-
-    Raises ManifestError if the model file's sha256 differs from the recorded one.
-    """
-    source = model if model is not None else manifest.model.registry_name or manifest.informative.model_path
-    engine = Engine.load(source, n_ctx=manifest.engine.n_ctx, kv_type=manifest.engine.kv_type)
-    if engine.model_file.sha256 != manifest.model.sha256:
-        raise ManifestError(
-            f"the manifest was recorded with model sha256 {manifest.model.sha256[:16]}... but "
-            f"{engine.model_file.path} has sha256 {engine.model_file.sha256[:16]}...; pass the right file with --model"
-        )
-    return engine
-
-
-def reexecute(manifest: RunManifest, engine: Engine, *, chunk_size: int = DEFAULT_CHUNK, on_step=None) -> tuple[RunManifest, Comparison]:
+def reexecute_manifest(manifest: RunManifest, engine: Engine, *, chunk_size: int = DEFAULT_CHUNK, on_step=None) -> tuple[RunManifest, Comparison]:
     """Run a recorded manifest's inputs again (its exact prompt token ids) and compare the contract fields."""
     if engine.model_file.sha256 != manifest.model.sha256:
         raise ManifestError("the manifest's model sha256 does not match the loaded model")

@@ -349,9 +349,13 @@ def write_session(record: SessionRecord, path: str | Path) -> None:
 
 
 def load_session(path: str | Path) -> SessionRecord:
-    """Read a session record; ManifestError (one line) if unreadable, not JSON, another schema or invalid."""
-    path = Path(path)
-    data = read_json(path, ManifestError, "session record")
+    """Read a session record (:func:`parse_session`); ManifestError (one line) if unreadable or not JSON."""
+    return parse_session(read_json(Path(path), ManifestError, "session record"), Path(path))
+
+
+def parse_session(data: Any, path: Path) -> SessionRecord:
+    """Check the parsed JSON ``data`` of the session record file ``path``; ManifestError (one line) if it is from
+    another schema, invalid, or edited (naming the section)."""
     if not isinstance(data, dict) or data.get("schema_version") not in READABLE_SESSION_SCHEMAS:
         version = data.get("schema_version") if isinstance(data, dict) else None
         raise ManifestError(f"{path}: session schema_version {version!r} is not one this detinfer reads: {', '.join(map(str, READABLE_SESSION_SCHEMAS))}")

@@ -1,272 +1,139 @@
-"""verify: re-execute recorded manifests and golden token streams, and report exactly what differs.
+"""Re-executing records: every kind of recorded file (records/reader.py) run again and compared with what it
+recorded, into one :class:`~detinfer.records.outcome.Outcome` (match, mismatch or bad input, with the report).
 
-Only contract fields are compared (see manifest.py); threads, chunk size, timings and the machine are shown,
-never compared. A file recorded with other numerics (detinfer/numerics.py) is a mismatch that says so. A manifest whose model is missing or has another sha256 is reported as bad input, not as a mismatch.
+Only contract fields are compared (records/manifest.py); threads, chunk size, timings and the machine are shown,
+never compared. A file recorded with other numerics (compute/numerics.py) is a mismatch that says so. A file whose
+model is missing or has another sha256, or whose messages do not bind to its tokens (records/binding.py), is bad
+input, not a mismatch. ``verify``, ``replay``, ``run --manifest``, the Python API and the Ray fan-out all call
+:func:`reexecute`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
 import numba
-from pydantic import ValidationError
 
-from ..compute.constrain import Constraint
-from ..compute.engine import Engine
-from ..compute.generate import GenerationResult, generate
-from ..compute.kvcache import parse_kv_type
+from ..compute.engine import DEFAULT_CHUNK, Engine
+from ..compute.generate import GenerationResult, Step, generate
 from ..compute.numerics import NUMERICS
-from ..compute.sampling import Sampling, missing_fields
+from ..compute.sampling import Sampling
 from ..errors import DetinferError, ManifestError
-from ..fileio import load_json, read_json
 from ..model.chat import BUILTIN_TEMPLATES, ChatTemplate
-from ..model.registry import name_for_sha256
 from .binding import check_stream_turns
-from .manifest import (
-    EngineRecord,
-    PromptRecord,
-    RunManifest,
-    load_manifest,
-    tokens_sha256,
-)
+from .engines import EngineCache
+from .manifest import PromptRecord, RunManifest, tokens_sha256
+from .outcome import BAD_INPUT, MATCH, MISMATCH, Divergence, Outcome, bad_input
+from .reader import Record, collect, read_record
 from .replay import replay_turns
-from .run import (
-    Difference,
-    engine_for_manifest,
-    excerpts,
-    execute,
-    first_difference,
-    reexecute,
-)
-from .session import load_session
-from .tokenstream import RunStream, SessionStream
-
-MATCH, MISMATCH, BAD_INPUT = "match", "mismatch", "bad input"
+from .run import Difference, excerpts, execute, first_difference, reexecute_manifest
+from .tokenstream import SessionStream
 
 
-@dataclass
-class Divergence:
-    """The first step where outputs differ: expected vs actual token (id, text) and top-5 logits."""
+@dataclass(frozen=True)
+class ReplayOptions:
+    """How sessions are replayed: ``use_cache`` False recomputes every prefix from scratch; ``kv_dir`` restores each
+    turn's prefix from its saved .detkv snapshot; ``until`` replays only the first N turns; ``warn`` is told of a
+    snapshot that was not used; ``chunk_size`` / ``on_step`` apply to a run manifest's re-execution."""
 
-    step: int
-    expected_token: int | None
-    actual_token: int | None
-    expected_text: str
-    actual_text: str
-    expected_top: list = field(default_factory=list)
-    actual_top: list = field(default_factory=list)
-
-
-@dataclass
-class VerifyResult:
-    path: str
-    status: str
-    model: str = ""
-    steps: int = 0
-    seconds: float = 0.0
-    message: str = ""
-    differences: list[dict] = field(default_factory=list)
-    divergence: Divergence | None = None
-    threads: int | None = None
-    recorded_on: dict[str, str] = field(default_factory=dict)  # detinfer.machine.machine() of the recording
-    reexecuted_on: dict[str, str] = field(default_factory=dict)
-
-    def to_json(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k != "divergence"}
-        d["divergence"] = self.divergence.__dict__ if self.divergence else None
-        return d
-
-    def report(self) -> list[str]:
-        """What differs, as plain lines (empty for a match): the message, each differing field, the first
-        divergent step with the expected and actual token, and the top-5 logits there."""
-        if self.status == MATCH:
-            return []
-        lines = [self.message.removeprefix(f"{self.path}: ")]  # load errors name the file already
-        lines += [f"  {d['field']}: expected {d['expected']} got {d['actual']}" for d in self.differences]
-        if (dv := self.divergence) is not None:
-            lines.append(f"  first divergent step {dv.step}: expected token {dv.expected_token} {dv.expected_text}, "
-                         f"got {dv.actual_token} {dv.actual_text}")
-            if dv.expected_top or dv.actual_top:
-                lines += [f"  top-5 expected {dv.expected_top}", f"  top-5 actual   {dv.actual_top}"]
-        return lines
+    use_cache: bool = True
+    kv_dir: Path | None = None
+    until: int | None = None
+    warn: Callable[[str], None] | None = None
+    chunk_size: int = DEFAULT_CHUNK  # prefill chunk of a manifest's re-execution (never changes a result)
+    on_step: Callable[[Step], None] | None = None  # each step of a manifest's re-execution, as it is produced
 
 
-def collect(paths: Iterable[str | Path]) -> list[Path]:
-    """Manifest files from files and folders (folders: every *.json below them, sorted).
-
-    Raises ManifestError for a path that does not exist.
-    """
-    files: list[Path] = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            files.extend(sorted(q for q in p.rglob("*.json") if q.is_file()))
-        elif os.path.lexists(p):  # a file, or something that is not (reported as bad input by verify_file)
-            files.append(p)
-        else:
-            raise ManifestError(f"{p} does not exist; pass manifest files or folders")
-    return files
+def _token(engine: Engine, ids: list[int], i: int) -> tuple[int | None, str]:
+    return (ids[i], repr(engine.tokenizer.decode([ids[i]]))) if i < len(ids) else (None, "(none)")
 
 
-def _divergence(engine: Engine, et: list[int], expected_top: list, actual: RunManifest, step: int | None) -> Divergence | None:
-    """First divergent step (the first differing logits digest if known, else the first differing token)."""
-    at = actual.output.token_ids
-    if step is None:
-        step = next((i for i in range(max(len(et), len(at))) if i >= len(et) or i >= len(at) or et[i] != at[i]), None)
+def _divergence(engine: Engine, expected: list[int], actual: list[int], step: int | None, expected_top: list = (),
+                actual_top: list = ()) -> Divergence | None:  # fmt: skip
+    """The first divergent step (the given one, else the first differing token) with both tokens and top-5 logits."""
+    step = first_difference(expected, actual) if step is None else step
     if step is None:
         return None
-    tok = engine.tokenizer
-
-    def token(ids, i):
-        return (ids[i], repr(tok.decode([ids[i]]))) if i < len(ids) else (None, "(none)")
-
-    (e_id, e_text), (a_id, a_text) = token(et, step), token(at, step)
     top = lambda tops: [list(x) for x in tops[step]] if step < len(tops) else []  # noqa: E731
-    return Divergence(step, e_id, a_id, e_text, a_text, top(expected_top), top(actual.output.top_logits))
+    (e_id, e_text), (a_id, a_text) = _token(engine, expected, step), _token(engine, actual, step)
+    return Divergence(step, e_id, a_id, e_text, a_text, top(expected_top), top(actual_top))
 
 
-def _is_golden(path: Path) -> bool:
-    try:
-        data = load_json(path, ManifestError, "manifest")
-    except DetinferError:
-        return False  # load_manifest reports it
-    return isinstance(data, dict) and "output_token_ids" in data and "schema_version" not in data
+def _mismatch_message(recorded_numerics: str, fields: list[str]) -> str:
+    """ "differs: ...", led by the numerics case when the file was recorded with other numerics."""
+    message = "differs: " + ", ".join(fields)
+    if recorded_numerics != NUMERICS:
+        return (f"recorded with numerics {recorded_numerics.rsplit('/', 1)[-1]}; this detinfer computes numerics "
+                f"{NUMERICS.rsplit('/', 1)[-1]} ({NUMERICS}); re-record with make manifests / make golden-update; {message}")
+    return message
 
 
-def _golden_settings(path: Path, record: RunStream) -> tuple[int, str, bool, Sampling, Constraint | None]:
-    """(n_ctx, kv_type, chat, sampling, constraint) from a golden record's settings; ManifestError naming a missing or
-    bad key."""
-    settings = dict(record.settings)
-    try:
-        n_ctx, kv_type, chat = settings.pop("n_ctx"), settings.pop("kv_type"), settings.pop("chat")
-        EngineRecord(n_ctx=n_ctx, kv_type=parse_kv_type(kv_type))  # a quantized KV type is rejected with its reason
-        constraint = Constraint.model_validate(settings.pop("constraint")) if "constraint" in settings else None
-        if missing := missing_fields(settings):  # a record states every option
-            raise KeyError(missing[0])
-        sampling = Sampling.model_validate(settings)
-    except KeyError as e:
-        raise ManifestError(f"{path} is not a valid golden record: settings.{e.args[0]} is missing") from None
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"])
-        raise ManifestError(f"{path} is not a valid golden record: settings.{loc}: {err['msg']}") from None
-    if not isinstance(chat, bool):
-        raise ManifestError(f"{path} is not a valid golden record: settings.chat must be true or false, got {chat!r}")
-    if constraint is not None:
-        constraint.check_sha256()
-    return n_ctx, kv_type, chat, sampling, constraint
+def _manifest(record: Record, engine: Engine, options: ReplayOptions) -> Outcome:
+    manifest: RunManifest = record.body
+    actual, comparison = reexecute_manifest(manifest, engine, chunk_size=options.chunk_size, on_step=options.on_step)
+    out = Outcome(str(record.path), MATCH if comparison.match else MISMATCH, model=manifest.model.registry_name or manifest.model.file_name,
+                  steps=len(manifest.output.token_ids),
+                  differences=[d.__dict__ for d in comparison.differences], threads=actual.informative.threads,
+                  recorded_on=manifest.informative.machine, reexecuted_on=actual.informative.machine, reexecuted=actual)  # fmt: skip
+    if not comparison.match:
+        out.divergence = _divergence(engine, manifest.output.token_ids, actual.output.token_ids, comparison.first_divergent_step,
+                                     manifest.output.top_logits, actual.output.top_logits)  # fmt: skip
+        out.message = _mismatch_message(manifest.recorded_numerics(), [d.field for d in comparison.differences])
+    return out
 
 
-def verify_golden(path: Path, engines: dict[tuple, Engine], *, model: str | None = None) -> VerifyResult:
-    """Re-run a golden token stream (golden/<case>.json, or a pytest snapshot of a run) from its settings and compare
-    tokens, text and stop reason."""
-    t0 = time.perf_counter()
-    try:
-        try:
-            record = RunStream.model_validate(load_json(path, ManifestError, "golden record"))
-        except ValidationError as e:
-            raise ManifestError(f"{path} is not a valid golden record: {e.errors()[0]['msg']}") from None
-        n_ctx, kv_type, chat, sampling, constraint = _golden_settings(path, record)
-        key = (record.model_sha256, n_ctx, kv_type)
-        if key not in engines:  # a golden record names its model by sha256 only: the registry knows which that is
-            source = model if model is not None else name_for_sha256(record.model_sha256)
-            engine = Engine.load(source, n_ctx=key[1], kv_type=key[2])
-            if engine.model_file.sha256 != record.model_sha256:
-                raise ManifestError(
-                    f"{path} was recorded with model sha256 {record.model_sha256[:16]}..., not "
-                    f"{engine.model_file.path.name}; pass that model with --model"
-                )
-            engines[key] = engine
-        engine = engines[key]
-        ids = record.prompt_token_ids
-        prompt = PromptRecord(text=None, chat=chat, rendered="", token_ids=ids, tokens_sha256=tokens_sha256(ids))
-        actual = execute(engine, prompt, sampling, constraint=constraint)
-    except DetinferError as e:
-        return VerifyResult(str(path), BAD_INPUT, message=str(e), seconds=time.perf_counter() - t0)
-    diffs = [
-        Difference(name, *excerpts(a, b)).__dict__
-        for name, a, b in (("output_token_ids", record.output_token_ids, actual.output.token_ids), ("output_text", record.output_text, actual.output.text),
-                           ("stop_reason", record.stop_reason, actual.output.stop_reason))
-        if a != b
-    ]
-    if record.numerics != NUMERICS:
-        diffs.insert(0, Difference("numerics", record.numerics, NUMERICS).__dict__)
-    result = VerifyResult(str(path), MISMATCH if diffs else MATCH, model=engine.model_file.path.name, steps=len(record.output_token_ids),
-                          seconds=time.perf_counter() - t0, differences=diffs, threads=actual.informative.threads,
-                          reexecuted_on=actual.informative.machine)
+def _golden(record: Record, engine: Engine, _: ReplayOptions) -> Outcome:
+    stream, g = record.body, record.golden
+    ids = stream.prompt_token_ids
+    prompt = PromptRecord(text=None, chat=g.chat, rendered="", token_ids=ids, tokens_sha256=tokens_sha256(ids))
+    actual = execute(engine, prompt, g.sampling, constraint=g.constraint)
+    diffs = [Difference(name, *excerpts(a, b)).__dict__ for name, a, b in (
+        ("output_token_ids", stream.output_token_ids, actual.output.token_ids), ("output_text", stream.output_text, actual.output.text),
+        ("stop_reason", stream.stop_reason, actual.output.stop_reason)) if a != b]  # fmt: skip
+    if stream.numerics != NUMERICS:
+        diffs.insert(0, Difference("numerics", stream.numerics, NUMERICS).__dict__)
+    out = Outcome(str(record.path), MISMATCH if diffs else MATCH, steps=len(stream.output_token_ids), differences=diffs,
+                  threads=actual.informative.threads, reexecuted_on=actual.informative.machine)  # fmt: skip
     if diffs:
-        result.divergence = _divergence(engine, record.output_token_ids, [], actual, None)
-        result.message = _mismatch_message(record.numerics, [d["field"] for d in diffs])
-    return result
+        out.divergence = _divergence(engine, stream.output_token_ids, actual.output.token_ids, None, [], actual.output.top_logits)
+        out.message = _mismatch_message(stream.numerics, [d["field"] for d in diffs])
+    return out
 
 
-def _is_session(path: Path) -> bool:
-    """A session record (``session run --out``, ``serve --record``) or a session snapshot (its token stream)."""
-    try:
-        data = load_json(path, ManifestError, "session record")
-    except DetinferError:
-        return False
-    return isinstance(data, dict) and "turns" in data
-
-
-def _session_engine(engines: dict[tuple, Engine], sha256: str, n_ctx: int, kv_type: str, source, path: Path) -> Engine:
-    key = (sha256, n_ctx, kv_type)
-    if key not in engines:
-        engine = Engine.load(source, n_ctx=n_ctx, kv_type=kv_type)
-        if engine.model_file.sha256 != sha256:
-            raise ManifestError(f"{path} was recorded with model sha256 {sha256[:16]}..., not {engine.model_file.path.name}; "
-                                "pass that model with --model")
-        engines[key] = engine
-    return engines[key]
-
-
-def verify_session(path: Path, engines: dict[tuple, Engine], *, model: str | None = None) -> VerifyResult:
-    """Re-execute every turn of a session record (all its hashes compared, as ``detinfer replay``) or of a session
-    snapshot (token ids, text and stop reason); the first differing turn is reported."""
-    t0 = time.perf_counter()
-    try:
-        data = read_json(path, ManifestError, "session")
-        if "schema_version" in data:
-            record = load_session(path)
-            source = model or record.model.registry_name or record.informative.get("model_path")
-            engine = _session_engine(engines, record.model.sha256, record.engine.n_ctx, record.engine.kv_type, source, path)
-            expected = [(t.generated_token_ids, t.text, t.stop_reason) for t in record.turns]
-            turns = [(actual.generated_token_ids, actual.text, actual.stop_reason, diffs)
-                     for actual, diffs, _ in replay_turns(engine, record, use_cache=True)]
-        else:
-            stream = SessionStream.model_validate(data)
-            settings = stream.settings
-            engine = _session_engine(engines, stream.model_sha256, settings["n_ctx"], settings["kv_type"],
-                                     model or name_for_sha256(stream.model_sha256), path)
-            expected = [(t.output_token_ids, t.output_text, t.stop_reason) for t in stream.turns]
-            check_stream_turns(engine, _stream_template(engine, settings.get("chat_template_sha256"), path), stream.turns)
-            turns = replay_stream(engine, stream)
-    except ValidationError as e:
-        return VerifyResult(str(path), BAD_INPUT, message=f"{path} is not a valid session snapshot: {e.errors()[0]['msg']}",
-                            seconds=time.perf_counter() - t0)
-    except KeyError as e:
-        return VerifyResult(str(path), BAD_INPUT, message=f"{path} is not a valid session snapshot: {e.args[0]!r} is missing",
-                            seconds=time.perf_counter() - t0)
-    except DetinferError as e:
-        return VerifyResult(str(path), BAD_INPUT, message=str(e), seconds=time.perf_counter() - t0)
-    result = VerifyResult(str(path), MATCH, model=engine.model_file.path.name, steps=sum(len(e[0]) for e in expected),
-                          seconds=time.perf_counter() - t0, threads=numba.get_num_threads())
-    for i, ((e_ids, e_text, e_stop), (a_ids, a_text, a_stop, diffs)) in enumerate(zip(expected, turns), start=1):
-        if diffs:
-            result.status, result.message = MISMATCH, f"turn {i} differs: {', '.join(diffs)}"
-            result.differences = [Difference(f"turn {i}.{name}", *excerpts(a, b)).__dict__
-                                  for name, a, b in (("output_token_ids", e_ids, a_ids), ("text", e_text, a_text), ("stop_reason", e_stop, a_stop)) if a != b]
-            step = first_difference(e_ids, a_ids)
-            if step is not None:
-                pick = lambda ids: (ids[step], repr(engine.tokenizer.decode([ids[step]]))) if step < len(ids) else (None, "(none)")  # noqa: E731
-                (e_id, e_tok), (a_id, a_tok) = pick(e_ids), pick(a_ids)
-                result.divergence = Divergence(step, e_id, a_id, e_tok, a_tok)
+def _turn_outcome(out: Outcome, engine: Engine, rows: list[dict], expected: list[tuple[list[int], str, str]],
+                  actual: list[tuple[list[int], str, str]]) -> Outcome:  # fmt: skip
+    """Fill ``out`` from per-turn rows: the first differing turn names the mismatch."""
+    out.turns, out.steps = rows, sum(len(e[0]) for e in expected)
+    for i, (row, (e_ids, e_text, e_stop), (a_ids, a_text, a_stop)) in enumerate(zip(rows, expected, actual), start=1):
+        if row["differs"]:
+            out.status, out.message = MISMATCH, f"turn {i} differs: {', '.join(row['differs'])}"
+            out.differences = [Difference(f"turn {i}.{name}", *excerpts(a, b)).__dict__
+                               for name, a, b in (("output_token_ids", e_ids, a_ids), ("text", e_text, a_text), ("stop_reason", e_stop, a_stop))
+                               if a != b]  # fmt: skip
+            out.divergence = _divergence(engine, e_ids, a_ids, None)
             break
-    return result
+    return out
+
+
+def _session(record: Record, engine: Engine, options: ReplayOptions, engines: EngineCache) -> Outcome:
+    body = record.body
+    results = replay_turns(engine, body, use_cache=options.use_cache, kv_dir=options.kv_dir, until=options.until,
+                           warn=options.warn, prefix_cache=engines.prefix_cache(engine) if options.use_cache else None)  # fmt: skip
+    rows, expected, actual = [], [], []
+    for i, ((got, diffs, step), want) in enumerate(zip(results, body.turns), start=1):
+        row = {"turn": i, "result": "match" if not diffs else "mismatch", "differs": diffs, "first_divergent_step": step,
+               "reused_tokens": got.reused_tokens, "steps": len(got.generated_token_ids)}  # fmt: skip
+        if diffs and step is not None:
+            row["expected"], row["actual"] = (_token(engine, want.generated_token_ids, step), _token(engine, got.generated_token_ids, step))
+        rows.append(row)
+        expected.append((want.generated_token_ids, want.text, want.stop_reason))
+        actual.append((got.generated_token_ids, got.text, got.stop_reason))
+    out = Outcome(str(record.path), MATCH, threads=numba.get_num_threads(), recorded_on=body.informative.get("machine", {}))
+    return _turn_outcome(out, engine, rows, expected, actual)
 
 
 def _stream_template(engine: Engine, sha256: str | None, path: Path) -> ChatTemplate:
@@ -280,93 +147,63 @@ def _stream_template(engine: Engine, sha256: str | None, path: Path) -> ChatTemp
     return found
 
 
-def replay_stream(engine: Engine, stream: SessionStream) -> list[tuple[list[int], str, str, list[str]]]:
-    """Run a session snapshot's turns again from their recorded token ids (each turn's prompt is the history plus
-    its appended ids, on one KV cache): per turn (output ids, text, stop reason, fields that differ)."""
-    history, cache, turns = [], engine.new_cache(), []
-    for turn in stream.turns:
+def _session_snapshot(record: Record, engine: Engine, _: ReplayOptions) -> Outcome:
+    """A session snapshot's turns run again from their recorded token ids (each turn's prompt is the history plus its
+    appended ids, on one KV cache), after its messages were checked against those ids."""
+    stream: SessionStream = record.body
+    check_stream_turns(engine, _stream_template(engine, stream.settings.get("chat_template_sha256"), record.path), stream.turns)
+    history, cache, rows, expected, actual = [], engine.new_cache(), [], [], []
+    for i, turn in enumerate(stream.turns, start=1):
         prompt = history + turn.prompt_token_ids
         res = GenerationResult()
         for _ in generate(engine, prompt, Sampling.create(**turn.sampling), cache=cache, result=res):
             pass
-        got = (res.tokens, res.text, res.stop_reason)
-        diffs = [f for f, a, b in zip(("output_token_ids", "text", "stop_reason"), (turn.output_token_ids, turn.output_text, turn.stop_reason), got) if a != b]
-        turns.append((*got, diffs))
+        want, got = (turn.output_token_ids, turn.output_text, turn.stop_reason), (res.tokens, res.text, res.stop_reason)
+        diffs = [f for f, a, b in zip(("output_token_ids", "text", "stop_reason"), want, got) if a != b]
+        rows.append({"turn": i, "result": "mismatch" if diffs else "match", "differs": diffs,
+                     "first_divergent_step": first_difference(want[0], got[0]), "reused_tokens": 0, "steps": len(res.tokens)})  # fmt: skip
+        expected.append(want)
+        actual.append(got)
         history = prompt + res.tokens
-    return turns
+    return _turn_outcome(Outcome(str(record.path), MATCH, threads=numba.get_num_threads()), engine, rows, expected, actual)
 
 
-def _mismatch_message(recorded_numerics: str, fields: list[str]) -> str:
-    """ "differs: ...", led by the numerics case when the file was recorded with other numerics."""
-    message = "differs: " + ", ".join(fields)
-    if recorded_numerics != NUMERICS:
-        return (f"recorded with numerics {recorded_numerics.rsplit('/', 1)[-1]}; this detinfer computes numerics "
-                f"{NUMERICS.rsplit('/', 1)[-1]} ({NUMERICS}); re-record with make manifests / make golden-update; {message}")
-    return message
-
-
-def verify_file(path: Path, engines: dict[tuple, Engine], *, model: str | None = None) -> VerifyResult:
-    """Re-execute one manifest, golden record or session. Engines are cached by (model sha256, n_ctx, kv_type)."""
-    if _is_golden(path):
-        return verify_golden(path, engines, model=model)
-    if _is_session(path):
-        return verify_session(path, engines, model=model)
+def reexecute(record: Record, engines: EngineCache, options: ReplayOptions = ReplayOptions()) -> Outcome:
+    """Run ``record`` again on its model (from ``engines``) and compare; bad input (a missing model, a record that does
+    not bind) is the outcome's status, never raised."""
     t0 = time.perf_counter()
     try:
-        manifest = load_manifest(path)
-        key = (manifest.model.sha256, manifest.engine.n_ctx, manifest.engine.kv_type)
-        if key not in engines:
-            engines[key] = engine_for_manifest(manifest, model)
-        engine = engines[key]
-        actual, comparison = reexecute(manifest, engine)
+        engine = engines.for_record(record)
+        if record.kind == "session":
+            out = _session(record, engine, options, engines)
+        else:
+            out = {"manifest": _manifest, "golden": _golden, "session-snapshot": _session_snapshot}[record.kind](record, engine, options)
     except DetinferError as e:
-        return VerifyResult(str(path), BAD_INPUT, message=str(e), seconds=time.perf_counter() - t0)
-    result = VerifyResult(
-        str(path),
-        MATCH if comparison.match else MISMATCH,
-        model=manifest.model.registry_name or manifest.model.file_name,
-        steps=len(manifest.output.token_ids),
-        seconds=time.perf_counter() - t0,
-        differences=[d.__dict__ for d in comparison.differences],
-        threads=actual.informative.threads,
-        recorded_on=manifest.informative.machine,
-        reexecuted_on=actual.informative.machine,
-    )
-    if not comparison.match:
-        result.divergence = _divergence(engine, manifest.output.token_ids, manifest.output.top_logits, actual, comparison.first_divergent_step)
-        result.message = _mismatch_message(manifest.recorded_numerics(), [d.field for d in comparison.differences])
-    return result
+        return bad_input(str(record.path), str(e), time.perf_counter() - t0)
+    out.kind, out.model, out.seconds = record.kind, out.model or engine.model_file.path.name, time.perf_counter() - t0
+    return out
 
 
-def verify(paths: Iterable[str | Path], *, model: str | None = None, on_result: Callable[[VerifyResult], None] | None = None) -> list[VerifyResult]:
-    """Verify every manifest under ``paths``; returns one result per file (in order)."""
-    engines: dict[tuple, Engine] = {}
-    results = []
+def reexecute_file(path: str | os.PathLike, engines: EngineCache, options: ReplayOptions = ReplayOptions()) -> Outcome:
+    """:func:`reexecute` of the record at ``path``, read once; a file that cannot be read is a bad-input outcome."""
+    try:
+        record = read_record(path)
+    except DetinferError as e:
+        return bad_input(str(path), str(e))
+    return reexecute(record, engines, options)
+
+
+def verify(paths: Iterable[str | Path], *, model: str | None = None, options: ReplayOptions = ReplayOptions(),
+           on_result: Callable[[Outcome], None] | None = None) -> list[Outcome]:  # fmt: skip
+    """Re-execute every record under ``paths`` (files, or folders searched for ``*.json``): one outcome per file, in
+    order. ``model`` overrides the recorded model's file. Raises ManifestError for a path that does not exist."""
+    engines = EngineCache(model)
+    outcomes = []
     for path in collect(paths):
-        r = verify_file(path, engines, model=model)
-        results.append(r)
+        outcomes.append(reexecute_file(path, engines, options))
         if on_result:
-            on_result(r)
-    return results
+            on_result(outcomes[-1])
+    return outcomes
 
 
-def exit_code(results: list[VerifyResult]) -> int:
-    """2 if any file is bad input, else 1 if any mismatch, else 0."""
-    if any(r.status == BAD_INPUT for r in results):
-        return 2
-    return 1 if any(r.status == MISMATCH for r in results) else 0
-
-
-def summary(results: list[VerifyResult]) -> dict:
-    return {
-        "summary": True,
-        "files": len(results),
-        "match": sum(r.status == MATCH for r in results),
-        "mismatch": sum(r.status == MISMATCH for r in results),
-        "bad_input": sum(r.status == BAD_INPUT for r in results),
-        "exit_code": exit_code(results),
-    }
-
-
-def to_json_lines(results: list[VerifyResult]) -> str:
-    return "\n".join([json.dumps(r.to_json(), sort_keys=True) for r in results] + [json.dumps(summary(results), sort_keys=True)])
+__all__ = ["BAD_INPUT", "MATCH", "MISMATCH", "Outcome", "ReplayOptions", "reexecute", "reexecute_file", "verify"]

@@ -33,7 +33,13 @@ from .protocol import (
     parse,
     validation_error,
 )
-from .serving import BoundedStream, Server, StreamSplitter, detinfer_hashes, detinfer_headers
+from .serving import (
+    BoundedStream,
+    Server,
+    StreamSplitter,
+    detinfer_hashes,
+    detinfer_headers,
+)
 from .worker import Job
 
 MAX_REMEMBERED = 256  # responses whose conversation previous_response_id can continue

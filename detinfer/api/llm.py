@@ -1,4 +1,4 @@
-"""The Python API: load a model once, complete prompts, chat, stream steps, run agent sessions, verify records.
+"""Loading a model and running it: complete prompts, chat, stream steps, run agent sessions.
 
 Modelled on llama-cpp-python's ``Llama`` (``create_completion`` / ``create_chat_completion``)::
 
@@ -19,29 +19,41 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Generator, Iterable
+from typing import Any, Callable, Generator
 
-from .compute.constrain import Constraint, check_ignore_eos
-from .compute.engine import DEFAULT_CHUNK, Engine, set_threads
-from .compute.generate import Step, check_prompt
-from .compute.prefix_cache import PrefixCache
-from .compute.sampling import Sampling
-from .errors import InputError
-from .model.chat import ChatTemplate, validate_messages
-from .records.manifest import RunManifest
-from .records.run import build_prompt, execute_steps
-from .records.session import (
+from ..compute.constrain import Constraint, check_ignore_eos
+from ..compute.engine import (
+    DEFAULT_CHUNK,
+    PROGRESS_MARK,
+    Engine,
+    check_chunk_size,
+    set_threads,
+)
+from ..compute.generate import Step, check_prompt
+from ..compute.prefix_cache import PrefixCache
+from ..compute.sampling import Sampling, SamplingOverrides
+from ..errors import InputError
+from ..fileio import read_input_text
+from ..model.chat import ChatTemplate, load_messages, validate_messages
+from ..model.registry import resolve_model
+from ..records.manifest import RunManifest
+from ..records.run import build_prompt, execute_steps
+from ..records.session import Conversation as SessionConversation
+from ..records.session import (
     SessionRecord,
     SessionScript,
+    TurnRecord,
+    effective_sampling,
     load_script,
+    new_record,
     parse_script,
     run_session,
+    run_turn,
     write_session,
 )
-from .records.verify import VerifyResult
-from .records.verify import verify as verify_paths
 
-__all__ = ["Constraint", "LLM", "Result", "Sampling", "SessionResult", "Step", "Stream", "VerifyResult", "load", "verify"]
+__all__ = ["LLM", "PROGRESS_MARK", "check_chunk_size", "Conversation", "Result", "SessionResult", "Stream", "constraint_from_options", "load", "load_messages",
+           "read_prompt_file", "set_threads"]
 
 # OpenAI's finish_reason for each stop reason (an end-of-generation token or a stop string is "stop").
 FINISH_REASON = {"eos": "stop", "stop": "stop", "max_tokens": "length", "length": "length"}
@@ -203,8 +215,7 @@ class LLM:
         tokens per chunk) never changes a result. Raises like :meth:`complete` and :meth:`chat`, at the call."""
         if (prompt is None) == (messages is None):
             raise InputError("give exactly one of prompt (a completion) or messages (a chat)")
-        if chunk_size < 1:
-            raise InputError(f"chunk_size must be at least 1, got {chunk_size}")
+        check_chunk_size(chunk_size)
         record = Sampling.create(**sampling)
         check_ignore_eos(constraint, record.ignore_eos)
         if messages is not None:
@@ -221,9 +232,19 @@ class LLM:
         steps = execute_steps(self.engine, p, record, chunk_size=chunk_size, template=template, constraint=constraint)
         return Stream(steps, self.engine, self.threads, p.token_ids)
 
-    def session(self, script: str | os.PathLike | dict[str, Any] | SessionScript, *, cache_bytes: int = 1 << 30) -> SessionResult:
+    def warm_up(self) -> None:
+        """Compile (first run) or load from numba's cache every kernel this model's forward pass uses."""
+        set_threads(self.threads)
+        self.engine.warm_up()
+
+    def session(self, script: str | os.PathLike | dict[str, Any] | SessionScript, *, cache_bytes: int = 1 << 30,
+                out: str | os.PathLike | None = None, kv_dir: str | os.PathLike | None = None,
+                on_step: Callable[[Step], None] | None = None,
+                on_turn: Callable[[int, Any], None] | None = None) -> SessionResult:  # fmt: skip
         """Run an agent session script (a file, a dict or a SessionScript: ``{"sampling": {...}, "turns":
         [{"messages": [...]}, ...]}``, see the README), turn by turn, keeping the conversation as token ids.
+        ``out``: write the record there after every turn (a later failing turn loses nothing before it); ``kv_dir``:
+        save the KV cache after each turn as ``turn-NNN.detkv``; ``on_step`` / ``on_turn(i, turn)``: progress.
 
         A script whose ``model`` names another model than the loaded one raises InputError."""
         if isinstance(script, SessionScript):
@@ -232,15 +253,45 @@ class LLM:
             sc = parse_script(script)
         else:
             sc = load_script(script)
-        if sc.model is not None:
-            from .model.registry import resolve_model
-
-            if resolve_model(sc.model).resolve() != self.engine.model_file.path.resolve():
-                raise InputError(f"the session script names model {sc.model!r} but {self.engine.model_file.path.name} is "
-                                 "loaded; drop the script's model or load that one")
+        if sc.model is not None and resolve_model(sc.model).resolve() != self.engine.model_file.path.resolve():
+            raise InputError(f"the session script names model {sc.model!r} but {self.engine.model_file.path.name} is "
+                             "loaded; drop the script's model or load that one")  # fmt: skip
         set_threads(self.threads)
-        record = run_session(self.engine, sc.turns, sc.sampling, prefix_cache=PrefixCache(cache_bytes), template=self.chat_template)
+        record = run_session(self.engine, sc.turns, sc.sampling, prefix_cache=PrefixCache(cache_bytes), template=self.chat_template,
+                             out=out, kv_dir=kv_dir, on_step=on_step, on_turn=on_turn)  # fmt: skip
         return SessionResult(record, self.engine)
+
+    def conversation(self, *, system: str | None = None, **sampling: Any) -> Conversation:
+        """An interactive conversation (``detinfer chat``): :meth:`Conversation.send` one user message at a time."""
+        return Conversation(self, system=system, sampling=sampling)
+
+
+class Conversation:
+    """A conversation sent one user message at a time, kept as token ids like a scripted session; ``record`` is its
+    session record (``detinfer replay`` re-executes it). ``sampling``: :class:`Sampling` options for every turn."""
+
+    def __init__(self, llm: LLM, *, system: str | None = None, sampling: dict[str, Any] | None = None):
+        self.llm, self.system = llm, system
+        self.sampling = effective_sampling(SamplingOverrides(), None) | dict(sampling or {})
+        Sampling.create(**self.sampling)  # a bad option fails here, before the first message
+        self._conv = SessionConversation(llm.engine, llm.chat_template)
+        self._cache = llm.engine.new_cache()
+        self.turns: list[TurnRecord] = []
+
+    def send(self, text: str, on_step: Callable[[Step], None] | None = None) -> TurnRecord:
+        """Append a user message (after the system message, on the first turn) and generate the reply."""
+        set_threads(self.llm.threads)
+        messages = ([{"role": "system", "content": self.system}] if self.system and not self.turns else []) + [{"role": "user", "content": text}]
+        self.turns.append(run_turn(self.llm.engine, self._conv, self._cache, messages, self.sampling, on_step=on_step))
+        return self.turns[-1]
+
+    @property
+    def record(self) -> SessionRecord:
+        return new_record(self.llm.engine, self.turns, self.llm.chat_template)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the session record so far atomically (``detinfer replay`` re-executes it)."""
+        write_session(self.record, path)
 
 
 def load(model: str | os.PathLike | None = None, *, n_ctx: int = 4096, threads: int | None = None, kv_type: str = "f32",
@@ -258,14 +309,26 @@ def load(model: str | os.PathLike | None = None, *, n_ctx: int = 4096, threads: 
     return LLM(Engine.load(model, n_ctx=n_ctx, kv_type=kv_type), threads=threads, chat_template=template)
 
 
-def verify(paths: str | os.PathLike | Iterable[str | os.PathLike], *, model: str | os.PathLike | None = None,
-           threads: int | None = None, on_result: Callable[[VerifyResult], None] | None = None) -> list[VerifyResult]:  # fmt: skip
-    """Re-execute run manifests and golden / snapshot token streams (files, or folders searched for ``*.json``)
-    and compare what the determinism contract covers. Returns one :class:`~detinfer.verify.VerifyResult` per file,
-    in order: ``status`` is "match", "mismatch" or "bad input" (a missing model, an edited manifest...), ``report()``
-    the lines saying what differs. ``model`` overrides the recorded model's file (its sha256 must match).
-    ``on_result`` is called with each result as it is ready. Raises ManifestError for a path that does not exist,
-    InputError for a bad ``threads``."""
-    set_threads(threads)
-    items = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
-    return verify_paths(items, model=None if model is None else str(model), on_result=on_result)
+def read_prompt_file(path: str | os.PathLike) -> str:
+    """A prompt from a UTF-8 file (``-``: stdin), at most 64 MiB; InputError naming a bad byte's offset."""
+    return read_input_text(path, InputError, "prompt file", stdin=True)
+
+
+def constraint_from_options(*, json_schema: str | os.PathLike | None = None, json_object: bool = False, regex: str | None = None,
+                            grammar: str | os.PathLike | None = None, ignore_eos: bool = False) -> Constraint | None:  # fmt: skip
+    """The constraint of ``detinfer run``'s --json-schema FILE / --json / --regex RE / --grammar FILE (at most one), or
+    None; ConstraintError for a bad one or one with ``ignore_eos``, InputError for two at once."""
+    given = [o for o, v in (("--json-schema", json_schema), ("--json", json_object or None), ("--regex", regex), ("--grammar", grammar))
+             if v is not None]  # fmt: skip
+    if len(given) > 1:
+        raise InputError(f"give at most one constraint; got {', '.join(given)}")
+    if json_schema is not None:
+        constraint = Constraint.from_file("json_schema", json_schema)
+    elif grammar is not None:
+        constraint = Constraint.from_file("lark", grammar)
+    elif regex is not None:
+        constraint = Constraint.create("regex", regex)
+    else:
+        constraint = Constraint.create("json_object") if json_object else None
+    check_ignore_eos(constraint, ignore_eos)
+    return constraint

@@ -1,0 +1,54 @@
+"""Models from Python: download registry models, list them, and describe a model file (config, tensor types,
+parameters, KV cache arithmetic) without loading its weights."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ..compute.kvcache import KV_TYPES, kv_bytes_per_number
+from ..errors import InputError
+from ..model.config import ModelConfig
+from ..model.gguf_file import ModelFile
+from ..model.registry import DEFAULT_MODEL, list_models, pull, resolve_model
+
+__all__ = ["DEFAULT_MODEL", "ModelInfo", "list_models", "model_info", "pull"]
+
+CONFIG_FIELDS = ("arch", "n_vocab", "n_ctx_train", "n_embd", "n_layer", "n_head", "n_head_kv", "head_dim", "n_ff",
+                 "rope_freq_base", "rms_norm_eps", "tied_embeddings")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What ``detinfer info`` shows: the file (name, sha256, bytes), parameters, tensor-type counts, the config, and
+    the KV cache's bytes per position and at ``n_ctx`` for each KV type (``kv``: type -> (per position, at n_ctx))."""
+
+    file_name: str
+    sha256: str
+    size: int
+    n_params: int
+    tensor_types: dict[str, int]
+    config: ModelConfig
+    n_ctx: int
+    kv: dict[str, tuple[int, int]]
+
+    @property
+    def config_rows(self) -> list[tuple[str, str]]:
+        cfg = self.config
+        rows = [(f, str(getattr(cfg, f))) for f in CONFIG_FIELDS]
+        if cfg.sliding_window:
+            local = [str(i) for i, swa in enumerate(cfg.swa_layers) if not swa]
+            rows.append(("sliding_window", f"{cfg.sliding_window} (local layers: rope_freq_base {cfg.rope_freq_base_swa}; "
+                                           f"global: {', '.join(local)})"))  # fmt: skip
+        return rows
+
+
+def model_info(model: str | os.PathLike | None = None, *, n_ctx: int = 4096) -> ModelInfo:
+    """Describe a registry model or .gguf file (its metadata only: the weights are not read). Raises GGUFError,
+    ConfigError, PullError, or InputError for an ``n_ctx`` the model does not support."""
+    mf = ModelFile(resolve_model(model))
+    cfg = ModelConfig.from_model(mf)
+    if not 1 <= n_ctx <= cfg.n_ctx_train:
+        raise InputError(f"--ctx {n_ctx} is out of range; this model supports 1..{cfg.n_ctx_train} positions")
+    kv = {t: (cfg.kv_bytes(1, kv_bytes_per_number(t)), cfg.kv_bytes(n_ctx, kv_bytes_per_number(t))) for t in KV_TYPES}
+    return ModelInfo(mf.path.name, mf.sha256, mf.size, mf.n_params(), mf.type_counts(), cfg, n_ctx, kv)

@@ -1,0 +1,5 @@
+"""``python -m detinfer.cli``: the ``detinfer`` command."""
+
+from . import main
+
+main()

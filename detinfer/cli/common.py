@@ -1,0 +1,154 @@
+"""What every command shares: the typer app, the consoles, the options several commands take, and the edge where a
+DetinferError becomes one line and an exit code. Commands call the library (detinfer.api, .integrations, .serve,
+.bench) and nothing below it: option checks live there once.
+
+Exit codes: 0 success, 1 a re-executed record does not match, 2 bad input, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+from typing import Annotated, Any, Callable, NoReturn, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from .. import api
+from ..errors import DetinferError, InputError
+from ..fileio import check_output, check_output_dir
+from ..version import __version__
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"detinfer {__version__}")
+        raise typer.Exit(0)
+
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    help="Determinism-first LLM inference: bit-identical GGUF inference on the CPU, with run manifests that prove it.",
+)
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", "-V", callback=_version, is_eager=True, metavar="",
+                                                help="Print detinfer's version and exit.")] = False) -> None:  # fmt: skip
+    """Determinism-first LLM inference: bit-identical GGUF inference on the CPU, with run manifests that prove it."""
+
+
+# Not a terminal (pipes, CI logs): a wide fixed width, so tables and summaries are not cut or wrapped at 80 columns.
+out = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 200)
+
+
+def flag(*names: str, help: str) -> Any:  # noqa: A002 (typer's name)
+    """An on/off option shown as a flag in --help (typer would show it as taking a ``<bool>``)."""
+    return typer.Option(*names, help=help, metavar="")
+
+
+ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Registry name or path to a .gguf file.")]
+CtxOpt = Annotated[int, typer.Option("--ctx", "-c", "--ctx-size", help="KV cache positions (n_ctx), at most the model's context length.")]
+KvOpt = Annotated[str, typer.Option("--kv-type", help="KV cache type: f32 or f16. Quantized types are rejected.")]
+ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", help="Threads (default: all cores). Never changes a result.")]
+CacheBytesOpt = Annotated[int, typer.Option("--cache-bytes", help="Byte budget of the in-memory prefix cache (LRU).")]
+DEFAULT_CACHE_BYTES = 1 << 30
+ChatTemplateOpt = Annotated[Optional[str], typer.Option(
+    "--chat-template", help="Chat template instead of the model's: a built-in format (gemma, chatml, chatml-tools) or a jinja file.")]
+QuietOpt = Annotated[bool, flag("--quiet", "-q", help="Do not stream tokens; print only the summary.")]
+RayOpt = Annotated[Optional[str], typer.Option(
+    "--ray", metavar="[ADDRESS]",
+    help="Fan the work out over Ray: alone (or local), a local cluster sized to this machine; auto, ray://HOST:PORT or HOST:PORT joins one.")]
+ActorsOpt = Annotated[Optional[int], typer.Option("--actors", help="With --ray: how many actors (default: the cluster's CPUs / --threads).")]
+COMPILE_STATUS_DELAY_S = 2.0  # off a terminal, the compile status line appears only if warming up takes longer
+
+
+def fail(e: DetinferError) -> NoReturn:
+    err.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)  # user text is never markup
+    raise typer.Exit(e.exit_code)
+
+
+def warn(msg: str) -> None:
+    err.print(f"[yellow]warning:[/] {escape(msg)}", soft_wrap=True)
+
+
+def check_outputs(files: dict[str, Optional[Path]], dirs: Optional[dict[str, Optional[Path]]] = None) -> None:
+    """Before any work: every output option names a regular file or new path (files) or a folder detinfer can write
+    into (dirs); InputError (one line) otherwise. ``{option: path or None}``."""
+    for option, path in files.items():
+        if path is not None:
+            check_output(path, option)
+    for option, path in (dirs or {}).items():
+        if path is not None:
+            check_output_dir(path, option)
+
+
+def compiling(warm_up: Callable[[], None]) -> None:
+    """Run ``warm_up`` (compile on a first run, else load the kernels from numba's cache) with a status on stderr: a
+    spinner on a terminal, elsewhere one line if it takes over COMPILE_STATUS_DELAY_S. stdout stays clean."""
+    message = f"{api.PROGRESS_MARK} or loading them from the cache (a first run compiles for up to ~1 min)…"
+    if err.is_terminal:
+        with err.status(message):
+            warm_up()
+        return
+    timer = threading.Timer(COMPILE_STATUS_DELAY_S, lambda: err.print(message))
+    timer.start()
+    try:
+        warm_up()
+    finally:
+        timer.cancel()
+
+
+def streamer(quiet: bool) -> Callable[[Any], None]:
+    """An ``on_step`` that writes each step's text to stdout as it is produced (nothing with ``quiet``)."""
+
+    def on_step(step) -> None:
+        if not quiet and step.text:
+            sys.stdout.write(step.text)
+            sys.stdout.flush()
+
+    return on_step
+
+
+def fan_out(verb: str, task, payloads: list, failed, *, ray: Optional[str], threads: Optional[int], actors: Optional[int],
+            on_result=None) -> list:  # fmt: skip
+    """Run ``task`` over ``payloads`` here or on Ray (integrations.distributed.fan_out) with progress on stderr;
+    results in input order. Ctrl-C stops the run (exit 130) and keeps what was already written."""
+    from ..integrations.batch import ItemProgress
+    from ..integrations.distributed import check_address, import_ray
+    from ..integrations.distributed import fan_out as run_fan_out
+
+    try:
+        if ray is None:
+            api.set_threads(threads)
+        else:
+            check_address(ray)
+            import_ray()
+        if actors is not None and ray is None:
+            raise InputError("--actors sets the Ray actors; add --ray")
+    except DetinferError as e:
+        fail(e)
+    where = "in this process" if ray is None else f"on Ray ({ray}), {threads or 1} thread(s) per actor"
+    progress = ItemProgress(err, verb, len(payloads), where)
+
+    def done(i: int, result) -> None:
+        if on_result is not None:
+            on_result(i, result)
+        progress(i, result)
+
+    try:
+        results = run_fan_out(task, payloads, done, failed, ray=ray, threads=threads or 1, actors=actors)
+    except KeyboardInterrupt:
+        progress.close(interrupted=True)
+        raise typer.Exit(130)
+    except DetinferError as e:
+        progress.close(summary=False)
+        fail(e)
+    progress.close()
+    return results

@@ -1,0 +1,61 @@
+"""``detinfer pull``, ``models`` and ``info``: the registry and what a model file holds."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from .. import api
+from ..errors import DetinferError
+from .common import CtxOpt, app, fail, flag, out
+
+
+@app.command()
+def pull(
+    name: Annotated[Optional[str], typer.Argument(help="Registry name (default: the default model).")] = None,
+    force: Annotated[bool, flag("--force", help="Download again even if present.")] = False,
+) -> None:
+    """Download a registry model into $DETINFER_HOME/models and verify its sha256."""
+    try:
+        path = api.pull(name or api.DEFAULT_MODEL, force=force)
+    except DetinferError as e:
+        fail(e)
+    out.print(str(path))
+
+
+@app.command()
+def models() -> None:
+    """List the registry and what is downloaded."""
+    table = Table("name", "size", "present", "sha256", "description")
+    for row in api.list_models():
+        table.add_row(row["name"], f"{row['size'] / 1e6:.1f} MB", "yes" if row["present"] else "no", row["sha256"][:16] + "…", row["description"])
+    out.print(table)
+
+
+@app.command()
+def info(
+    model: Annotated[Optional[str], typer.Argument(help="Registry name or .gguf path.")] = None,
+    ctx: CtxOpt = 4096,
+) -> None:
+    """Show a model's config, tensor types, parameter count and KV cache size."""
+    try:
+        mi = api.model_info(model, n_ctx=ctx)
+    except DetinferError as e:
+        fail(e)
+    table = Table("key", "value", title=escape(mi.file_name))
+    table.add_row("sha256", mi.sha256)
+    table.add_row("file size", f"{mi.size:,} bytes")
+    table.add_row("parameters", f"{mi.n_params:,}")
+    table.add_row("tensor types", ", ".join(f"{k}: {v}" for k, v in mi.tensor_types.items()))
+    for key, value in mi.config_rows:
+        table.add_row(key, value)
+    out.print(table)
+    kv = Table("kv type", "bytes / position", f"bytes at n_ctx={ctx}", title="KV cache = n_layer × positions × 2 × kv_width × bytes_per_number")
+    for kv_type, (per_position, total) in mi.kv.items():
+        kv.add_row(kv_type, f"{per_position:,}", f"{total:,} ({total / 2**20:.1f} MiB)")
+    out.print(kv)
+    cfg = mi.config
+    out.print(f"kv_width = n_head_kv × head_dim = {cfg.n_head_kv} × {cfg.head_dim} = {cfg.kv_width}; n_layer = {cfg.n_layer}")
