@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
+import shutil
 import stat
 import sys
 import tempfile
@@ -42,7 +44,8 @@ def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """:func:`atomic_writer` for a library that opens its output by name (gguf-py's ``GGUFWriter``): yields the path
     of an empty temp file in ``path``'s folder to write; on a clean exit that file is fsynced and renamed over
-    ``path``. Same guarantees and errors as :func:`atomic_writer`.
+    ``path``. Same guarantees and errors as :func:`atomic_writer`; a write that fails for want of space (a full
+    disk, a quota, a file-size limit) is an InputError naming the path and the space left, and the old file stays.
     """
     path = Path(path)
     if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
@@ -62,10 +65,26 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         finally:
             os.close(fd)
         os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        if e.errno not in _FULL:
+            raise
+        raise InputError(f"cannot write {path}: {e.strerror} ({_free(path.parent)} free in {path.parent}); "
+                         "free some space or write elsewhere") from None  # fmt: skip
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a quota, a file-size limit
+
+
+def _free(folder: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(folder).free / 2**20:,.1f} MiB"
+    except OSError:
+        return "unknown space"
 
 
 def publish_new(path: str | os.PathLike, data: bytes) -> bool:
@@ -229,7 +248,7 @@ def _check_depth(data: Any) -> None:
     level, depth = [data] if isinstance(data, (list, dict)) else [], 1
     while level:
         if depth > MAX_JSON_DEPTH:
-            raise _JSONLimit(f"nesting deeper than {MAX_JSON_DEPTH} levels")
+            raise _JSONLimit(f"is nested deeper than {MAX_JSON_DEPTH} levels")
         inner: list = []
         for c in level:
             values = c.values() if isinstance(c, dict) else c
@@ -253,7 +272,7 @@ def _check_utf8(data: Any) -> None:
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError as e:
-                raise _JSONLimit(f"a string holding the lone surrogate \\u{ord(value[e.start]):04x} (not valid UTF-8)") from None
+                raise _JSONLimit(f"holds a string with the lone surrogate \\u{ord(value[e.start]):04x} (not valid UTF-8)") from None
         elif isinstance(value, dict):
             todo.extend(value.keys())
             todo.extend(value.values())
@@ -275,7 +294,7 @@ def parse_json(text: str | bytes, error: type[Exception], what: str, where: str 
     except RecursionError:
         raise error(f"{where}: {what} JSON is nested deeper than {MAX_JSON_DEPTH} levels") from None
     except _JSONLimit as e:
-        raise error(f"{where}: {what} JSON holds {e}") from None
+        raise error(f"{where}: {what} JSON {e}") from None
     except json.JSONDecodeError as e:
         raise error(f"{where} is not a JSON {what}: invalid JSON at line {e.lineno} column {e.colno} ({e.msg}); "
                     "it may be truncated") from None  # fmt: skip

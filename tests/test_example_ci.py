@@ -81,6 +81,29 @@ def test_a_perturbed_session_names_its_turn(project: Path, tmp_path: Path):
     assert f"expected token {expected} " in r.stdout and "top-5 logits there (actual run)" in r.stdout
 
 
+def test_a_hostile_stored_snapshot_fails_with_its_reason(project: Path):
+    """Stored files are read as records are: 100,000-deep JSON, a string token id and a FIFO each fail their test
+    with one reason (no RecursionError, no tokenizer error, no hang); the negative control is the passing run above."""
+    names = {"capital": CAPITAL, "haiku": SNAPSHOTS / "test_prompt[haiku].json", "session": SNAPSHOTS / "test_agent_session.json"}
+    originals = {k: (project / p).read_bytes() for k, p in names.items()}
+    try:
+        (project / names["capital"]).write_text("[" * 100_000 + "]" * 100_000)
+        haiku = json.loads(originals["haiku"])
+        (project / names["haiku"]).write_text(json.dumps(dict(haiku, output_token_ids=["x", *haiku["output_token_ids"][1:]])))
+        (project / names["session"]).unlink()
+        os.mkfifo(project / names["session"])
+        r = pytest_in(project, "-k", "capital or haiku or session")
+    finally:
+        for k, p in names.items():
+            (project / p).unlink(missing_ok=True)
+            (project / p).write_bytes(originals[k])
+    out = r.stdout + r.stderr
+    assert r.returncode == 1 and "3 failed" in r.stdout, out
+    assert "stored snapshot JSON is nested deeper than" in out and "output_token_ids.0" in out and "is a FIFO" in out, out
+    assert out.count("rewrite it with pytest --snapshot-update") >= 3, out
+    assert "RecursionError" not in out and "TokenizerError" not in out, out
+
+
 def test_opting_out_removes_the_fixtures(project: Path):
     r = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:detinfer", "-k", "capital"], project)
     assert r.returncode == 1 and "fixture 'detinfer_llm' not found" in r.stdout, r.stdout + r.stderr

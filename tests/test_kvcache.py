@@ -378,6 +378,10 @@ def test_refusals_with_a_valid_checksum(small_file, tmp_path):
     assert "invalid header: byte_order" in refused(_with_header(data, {**header, "byte_order": "big"}))
     assert "invalid header" in refused(_with_header(data, {**header, "tokens": [5, 6]}))
     assert "header describes" in refused(_with_header(data, {**header, "n_tokens": 2, "tokens": [5, 6]}))
+    for big in (2**31, 10**30):  # a token id no int32 KV cache holds: a refusal, not an OverflowError
+        assert "invalid header: tokens.1" in refused(_with_header(data, {**header, "tokens": [5, big, 7]}))
+    small_file.write_bytes(_with_header(data, {**header, "tokens": [5, 2**31 - 1, 7]}))
+    assert load_kv(small_file).tokens == (5, 2**31 - 1, 7)  # control: the largest int32 id is read
     with pytest.raises(KVFileError) as e:
         load_kv(tmp_path / "missing.detkv")
     assert "no such KV snapshot" in _error(e)
@@ -405,9 +409,9 @@ def test_atomic_write_leaves_old_file_and_no_temp_files(small_file, monkeypatch)
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(kvfile, "canonical_layers", failing)
-    with pytest.raises(OSError):
+    with pytest.raises(InputError, match=f"cannot write {small_file}: No space left on device"):
         save_kv(small_file, _synthetic([1, 2]), model_sha256="a" * 64, tokenizer_sha256="b" * 64)
-    with pytest.raises(OSError):
+    with pytest.raises(InputError, match="MiB free in"):
         save_kv(folder / "fresh.detkv", _synthetic([1, 2]), model_sha256="a" * 64, tokenizer_sha256="b" * 64)
     assert sorted(os.listdir(folder)) == ["small.detkv"], "a temp file or partial file was left behind"
     assert small_file.read_bytes() == new

@@ -55,6 +55,13 @@ def one_error_line(result, *needles: str, exit_code: int = 2) -> str:
     return errors[0]
 
 
+def bad_input_row(result, *needles: str) -> str:
+    """``replay`` / ``verify`` reported a file as bad input: exit 2, no traceback, the reason in the output."""
+    assert "Traceback" not in result.output and result.exit_code == 2, result.output
+    assert "bad input" in result.stdout and all(n in result.output for n in needles), result.output
+    return result.output
+
+
 def detinfer(home: Path, *args, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
     """``detinfer ARGS`` in a subprocess (for inputs that would hang an in-process run if a check regressed)."""
     env = dict(os.environ, DETINFER_HOME=str(home), COLUMNS="200")
@@ -218,7 +225,7 @@ def test_deep_or_huge_json_files_are_bad_input(home: Path, tiny_chat: Path, tmp_
     f.write_text(text)
     one_error_line(cli(home, "run", "--model", tiny_chat, "--messages", f, "--ctx", "64"), needle)
     one_error_line(cli(home, "run", "--manifest", f), needle)
-    one_error_line(cli(home, "replay", f), needle)
+    bad_input_row(cli(home, "replay", f), needle)
     one_error_line(cli(home, "session", "run", f, "--model", tiny_chat), needle)
     r = cli(home, "verify", f, "--json")
     rows = [json.loads(line) for line in r.stdout.splitlines()]
@@ -302,7 +309,7 @@ def test_bad_session_record_values_are_bad_input(home, tiny_chat, session_record
     path, value, needle = RECORD_EDITS[case]
     f = tmp_path / "session.json"
     f.write_text(json.dumps(_edit(session_record[0], path, value)))
-    one_error_line(cli(home, "replay", f, "--model", tiny_chat, "--threads", "1"), "not a valid session record", needle)
+    bad_input_row(cli(home, "replay", f, "--model", tiny_chat, "--threads", "1"), "not a valid session record", needle)
     with pytest.raises(ManifestError):
         load_session(f)
 
@@ -419,6 +426,30 @@ def test_outputs_never_replace_special_files(home: Path, tiny_chat: Path, tmp_pa
     r = cli(home, "run", "--model", tiny_chat, "--prompt", "hi", "--max-tokens", "1", "--ctx", "64", "--threads", "1",
             "--out", tmp_path / "new" / "run.json", "--quiet")  # fmt: skip
     assert r.exit_code == 0 and (tmp_path / "new" / "run.json").is_file()  # negative control: a new path is fine
+
+
+def _file_size_limit(limit: int):
+    """A real write failure for a child process: files it writes stop at ``limit`` bytes (EFBIG, like a full disk;
+    Python ignores SIGXFSZ)."""
+    import resource
+
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(home: Path, tiny_chat: Path, tmp_path: Path):
+    run = ["run", "--model", tiny_chat, "--prompt", "hi", "--max-tokens", "2", "--ctx", "64", "--threads", "1", "-q"]
+    r = detinfer(home, *run, "--out", tmp_path / "ok.json")
+    assert r.returncode == 0 and (tmp_path / "ok.json").stat().st_size > 1024, r.stderr  # control: no limit, no error
+    (tmp_path / "s.json").write_text(json.dumps({"turns": [{"messages": [{"role": "user", "content": "hi"}]}]}))
+    session = ["session", "run", tmp_path / "s.json", "--model", tiny_chat, "--ctx", "64", "--threads", "1", "-q"]
+    full = tmp_path / "full"
+    cases = {"run --out": [*run, "--out", full / "run.json"], "session --out": [*session, "--out", full / "s.json"],
+             "--kv-dir": [*session, "--kv-dir", full / "kv"],
+             "--junit-xml": ["verify", tmp_path / "ok.json", "--model", tiny_chat, "--junit-xml", full / "j.xml"]}  # fmt: skip
+    for case, args in cases.items():
+        r = detinfer(home, *args, preexec_fn=_file_size_limit(128))
+        one_error_line(r, "cannot write", str(full), "File too large", "MiB free in")
+        assert [p for p in full.rglob("*") if p.is_file()] == [], case  # no partial file, no temp file
 
 
 def test_output_folders_and_listen_address_are_checked(home: Path, tiny_chat: Path, tmp_path: Path):

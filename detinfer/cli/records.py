@@ -62,12 +62,8 @@ def _print_outcomes(outcomes: list, as_json: bool) -> None:
     for described in sorted({api.describe_machine(m) for r in outcomes for m in (r.recorded_on, r.reexecuted_on) if m}):
         out.print(f"  {escape(described)}", soft_wrap=True)
     for r in outcomes:
-        if r.status == api.MATCH:
-            continue
-        first, *rest = r.report()
-        out.print(f"[bold]{escape(r.path)}[/]: {escape(first)}", soft_wrap=True)
-        for line in rest:
-            out.print(line, soft_wrap=True, markup=False, emoji=False)
+        if r.status != api.MATCH:
+            _print_report(r)
     for line in annotations:
         out.print(line, soft_wrap=True, markup=False, emoji=False, highlight=False)
     raise typer.Exit(api.exit_code(outcomes))
@@ -110,9 +106,19 @@ def verify(
     if junit_xml is not None:
         try:
             write_junit(outcomes, junit_xml)
-        except (OSError, DetinferError) as e:
-            fail(InputError(f"cannot write --junit-xml {junit_xml}: {getattr(e, 'strerror', None) or e}"))
+        except DetinferError as e:
+            fail(e)
+        except OSError as e:
+            fail(InputError(f"cannot write --junit-xml {junit_xml}: {e.strerror or e}"))
     _print_outcomes(outcomes, as_json)
+
+
+def _print_report(r: api.Outcome) -> None:
+    """What is wrong with one file, in full (the table cuts long lines)."""
+    first, *rest = r.report()
+    out.print(f"[bold]{escape(r.path)}[/]: {escape(first)}", soft_wrap=True)
+    for line in rest:
+        out.print(line, soft_wrap=True, markup=False, emoji=False)
 
 
 def _turn_line(i: int, rec) -> None:
@@ -172,6 +178,9 @@ def replay(
                           str(r["steps"]), str(r["reused_tokens"]), "" if r["first_divergent_step"] is None else str(r["first_divergent_step"]),
                           detail)  # fmt: skip
         out.print(table)
+        for r in outcomes:
+            if r.status == api.BAD_INPUT:
+                _print_report(r)
     raise typer.Exit(api.exit_code(outcomes))
 
 

@@ -69,7 +69,7 @@ class KVHeader(BaseModel):
     n_head_kv: int = Field(ge=1)
     head_dim: int = Field(ge=1)
     n_tokens: int = Field(ge=0)
-    tokens: list[Annotated[int, Field(ge=0)]]  # token id at each position 0..n_tokens-1
+    tokens: list[Annotated[int, Field(ge=0, lt=2**31)]]  # token id at each position 0..n_tokens-1 (int32 in the KV cache)
     byte_order: Literal["little"]
     layout: Literal[LAYOUT]
 

@@ -116,7 +116,11 @@ def read_record(path: str | os.PathLike, what: str = "record") -> Record:
     """Read, parse and check one record; ManifestError (one line, naming the file as ``what``) if it is unreadable,
     no kind of record, or invalid."""
     path = Path(path)
-    data = read_json(path, ManifestError, what)
+    return parse_record(read_json(path, ManifestError, what), path, what)
+
+
+def parse_record(data: Any, path: Path, what: str = "record") -> Record:
+    """:func:`read_record` of ``data``, the JSON already parsed (with :func:`~detinfer.fileio.parse_json`) from ``path``."""
     if not isinstance(data, dict):
         raise ManifestError(f"{path} is not a manifest: expected a JSON object")
     if "turns" in data and "schema_version" in data:

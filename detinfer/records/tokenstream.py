@@ -9,7 +9,6 @@ re-executes the run records (golden records).
 
 from __future__ import annotations
 
-import json
 from typing import Any, Callable, Sequence
 
 from pydantic import BaseModel, ConfigDict
@@ -130,12 +129,3 @@ def divergence_report(expected: dict, actual: dict, *, token_text: TokenText | N
 
 def _at(ids: list[int], i: int, name: Callable[[int], str]) -> str:
     return name(ids[i]) if i < len(ids) else "(none: the stream ended)"
-
-
-def parse_stream(text: str) -> dict:
-    """A stored token stream as a dict ({} if it is not JSON, e.g. a snapshot from another format)."""
-    try:
-        data = json.loads(text)
-    except ValueError:
-        return {}
-    return data if isinstance(data, dict) else {}
