@@ -236,6 +236,19 @@ def read_input_text(path: str | os.PathLike, error: type[Exception], what: str, 
         raise error(f"{what} {path} is not valid UTF-8: byte 0x{data[e.start]:02x} at offset {e.start}") from None
 
 
+def utf8_error(text: str) -> str | None:
+    """None if ``text`` encodes as UTF-8, else what stops it and where: an undecodable byte of a command-line
+    argument (Python decodes one as a lone surrogate U+DC80-U+DCFF, so ``$'\\xff'`` reads "byte 0xff") or a lone
+    surrogate (a JSON ``\\ud800`` escape)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"the lone surrogate \\u{code:04x}"
+        return f"{what} at character {e.start}"
+    return None
+
+
 class _JSONLimit(ValueError):
     pass
 

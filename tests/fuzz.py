@@ -642,7 +642,8 @@ def template_loop_strategy():
 
 def check_template_loop(corpus: Corpus, case, path: Path) -> None:
     """Render: a result or a TemplateError, and in either case within the CPU budget (plus slack): never a hang."""
-    from detinfer.model.chat import MAX_RENDER_CPU_S, ChatTemplate
+    from detinfer.model.chat import ChatTemplate
+    from detinfer.model.sandbox import MAX_RENDER_CPU_S
 
     source, message, count = case
     t0 = time.thread_time()
@@ -782,6 +783,105 @@ def check_special_file(corpus: Corpus, case, folder: Path) -> None:
                 raise AssertionError(f"{kind} at {path} was replaced by {op}")
 
 
+# ------------------------------------------------------------------------------------------ issue 32's classes
+
+# Operations that build far more than they are given, each as (template, base size, factor): ``s`` is a string of
+# the base size (at most one value's limit), ``k`` the factor (from 0 to far past every limit).
+BOMB_SHAPES = (
+    "{{ '%0{k}d'|format(1) }}", "{{ '%0{k}d' % 1 }}", "{{ ('%*d' * 10) % (({k}, 1) * 10) }}", "{{ ('%s' * {k}) % ((s,) * {k}) }}",
+    "{{ '{{:>{k}}}'.format(1) }}", "{{ ('{{}}' * {k}).format(*([s] * {k})) }}", "{{ '{{!r}}'.format([s] * {k}) }}",
+    "{{ s|center({k}) }}", "{{ s.ljust({k}) }}", "{{ s * {k} }}", "{{ [s] * {k} }}", "{{ ([s] * {k}) ~ '' }}",
+    "{{ ([s] * {k})|join(s) }}", "{{ s.join([s] * {k}) }}", "{{ s|replace('x', 'y' * {k}) }}", "{{ s|wordwrap(1, wrapstring='y' * {k}) }}",
+    "{{ (s ~ '\n')|indent({k}) }}", "{{ s|truncate({k}, end=s) }}", "{{ s|list|length }}", "{{ ([s] * {k})|string|length }}",
+    "{{ ([s] * {k})|tojson(indent={k})|length }}", "{{ ([s] * {k})|pprint|length }}", "{{ [[1] * {k}] * {k}|sum(start=[])|length }}",
+    "{{ [1]|batch({k}, s)|list|length }}", "{{ (s ~ ' ') * {k}|wordcount }}", "{{ s.split('x')|length }}",
+    "{{ ('\t' * {k}).expandtabs({k})|length }}", "{% set t %}{% for i in range({k}) %}{{ s }}{% endfor %}{% endset %}{{ t|length }}",
+    "{% macro m() %}{% for i in range({k}) %}{{ s }}{% endfor %}{% endmacro %}{{ m()|length }}", "{{ (s|e|e|e|e)|length }}",
+    "{{ s|upper|title|lower|length }}", "{{ s|urlencode|length }}",
+)  # fmt: skip
+
+
+def template_bomb_strategy():
+    """(shape, base size, factor): one amplifying operation of BOMB_SHAPES on a string of 0 to 16M characters, by a
+    factor from 0 to 2*10^9."""
+    st = _st()
+    size = st.one_of(st.sampled_from([0, 1, 1000, 10**5, 10**6, 4 * 10**6, 16 * 10**6]), st.integers(0, 16 * 10**6))
+    factor = st.one_of(st.integers(0, 1000), st.sampled_from([10**4, 10**5, 10**6, 16 * 10**6, 10**9, 2 * 10**9]))
+    return st.tuples(st.sampled_from(BOMB_SHAPES), size, factor)
+
+
+def check_template_bomb(corpus: Corpus, case, path: Path) -> None:
+    """Render: a result or a one-line TemplateError, within the CPU budget, and the memory traced never past twice
+    the render's budget of built values (the base string included): sized before it is built, never after."""
+    import tracemalloc
+
+    from detinfer.model.chat import ChatTemplate
+    from detinfer.model.sandbox import MAX_RENDER_BYTES, MAX_RENDER_CPU_S
+
+    shape, size, factor = case
+    source = "{% set s = 'x' * " + str(size) + " %}" + shape.replace("{k}", str(factor))
+    tracemalloc.start()
+    t0 = time.thread_time()
+    try:
+        ChatTemplate(source).render([{"role": "user", "content": "hi"}])
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        if time.thread_time() - t0 > MAX_RENDER_CPU_S + 2:
+            raise AssertionError(f"render took {time.thread_time() - t0:.1f} s of CPU")
+        if peak > 2 * MAX_RENDER_BYTES:
+            raise AssertionError(f"render traced {peak / 2**20:.0f} MiB")
+
+
+LARK_PARTS = (
+    '"a"', '"b" "c"', '"<|im_start|>"', "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|nope|>", "<[*]>", "<[^0-2]>",
+    "<[{a}]>", "<[{a}-{b}]>", "<[^{a}]>", "<[{a},{b}]>", "/[a-z]+/", "/<[a-z]+>/", '"x"*', "(", ")", "|", "?", "\n# <|im_end|>\n",
+    '%json {"type": "object"}', "%lark {\nstart: <|im_end|>\n}", "y", "\ny: ", '"\\"<|im_start|>"',
+)  # fmt: skip
+
+
+def constraint_strategy():
+    """(kind, text): Lark grammars assembled from fragments naming control tokens (by name, in token-id ranges, inside
+    strings, regexes and comments, in nested grammars), text around the 64 KiB cap, lone surrogates, JSON Schemas
+    with thousands of alternatives or deep nesting, random regexes."""
+    st = _st()
+    from detinfer.compute.constrain import MAX_CONSTRAINT_BYTES
+
+    part = st.tuples(st.sampled_from(LARK_PARTS), st.integers(0, 400), st.integers(0, 400)).map(
+        lambda t: t[0].replace("{a}", str(t[1])).replace("{b}", str(t[2])))
+    lark = st.lists(part, min_size=1, max_size=8).map(lambda ps: "start: " + " ".join(ps) + "\n")
+    edge = st.tuples(st.sampled_from(["regex", "lark"]), st.integers(-2, 2)).map(  # MAX_CONSTRAINT_BYTES + d bytes
+        lambda t: (t[0], "a" * (MAX_CONSTRAINT_BYTES + t[1]) if t[0] == "regex" else f'start: "{"a" * (MAX_CONSTRAINT_BYTES - 10 + t[1])}"\n'))
+    wide = st.integers(1, 3000).map(lambda n: ("json_schema", json.dumps({"anyOf": [{"required": [f"a{i}"]} for i in range(n)]})))
+    deep = st.integers(1, 2000).map(lambda d: ("json_schema", '{"type":"array","items":' * d + "{}" + "}" * d))
+    text = st.text(alphabet=st.characters(exclude_categories=()), max_size=24)  # lone surrogates included
+    return st.one_of(st.tuples(st.just("lark"), lark), edge, wide, deep,
+                     st.tuples(st.sampled_from(["regex", "lark", "json_schema"]), text))  # fmt: skip
+
+
+def check_constraint(corpus: Corpus, case, path: Path) -> None:
+    """Build the constraint and its Guide on the tiny model's vocabulary (control tokens 0-2, as in SmolLM2) and
+    decode a few tokens (the lowest id allowed): a result or a one-line ConstraintError, and no mask ever allows a
+    control token, nor an end-of-generation one where the grammar does not accept."""
+    import numpy as np
+
+    from detinfer.compute.constrain import Constraint, Guide
+
+    kind, text = case
+    tok = corpus.engine.tokenizer
+    guide = Guide(Constraint.create(kind, text), tok)
+    logits = np.zeros(tok.n_vocab, np.float32)
+    for _ in range(6):
+        allowed = set(np.flatnonzero(np.isfinite(guide.mask(logits))).tolist())
+        if allowed & (tok.special_ids - tok.eog_ids):
+            raise AssertionError(f"a mask allowed control tokens {sorted(allowed & tok.special_ids)}")
+        if allowed & tok.eog_ids and not guide.matcher.is_accepting():
+            raise AssertionError("a mask allowed an end-of-generation token where the grammar does not accept")
+        if not allowed - tok.eog_ids:
+            return
+        guide.consume(min(allowed - tok.eog_ids))
+
+
 @dataclass(frozen=True)
 class Target:
     name: str
@@ -829,6 +929,18 @@ TARGETS = {
                "messages, chat template, script, session, manifest, kv inspect / load) and writer (--out, a record folder, "
                "atomic writes); a special file is never replaced",
                lambda c: special_files_strategy(), check_special_file),  # fmt: skip
+        Target("template_bombs", "chat templates with one amplifying operation (printf `%` and the format filter, "
+               "str.format widths and repeats, `*`, `~`, join, replace, wordwrap, center, indent, truncate, list, string, "
+               "tojson indent, pprint, sum, batch, split, expandtabs, block and macro output, escaping, case) on a string "
+               "of up to 16M characters by a factor up to 2*10^9 -> render within the CPU budget, memory traced under "
+               "twice the render budget, or TemplateError",
+               lambda c: template_bomb_strategy(), check_template_bomb),  # fmt: skip
+        Target("constraints", "constraint texts: Lark grammars naming control tokens (by name, in token-id ranges, "
+               "inside strings, regexes, comments and nested grammars), text at the 64 KiB cap +-2 bytes, lone "
+               "surrogates, JSON Schemas with up to 3,000 alternatives or 2,000 levels, random text -> Constraint + Guide "
+               "on the tiny vocabulary + 6 masked steps: no mask allows a control token (end-of-generation ones only "
+               "where the grammar accepts), or ConstraintError",
+               lambda c: constraint_strategy(), check_constraint),  # fmt: skip
     )
 }
 
@@ -972,12 +1084,12 @@ def report_markdown(results: dict[str, dict]) -> str:
         "  against available memory before allocating (which caps max_tokens too), the prefix cache by bytes, and the",
         "  GGUF reader's work: reads past the end of the file and more than 2^23 metadata reads per parse are errors",
         "  (a corrupt array count once made it allocate until the process was killed).",
-        "- Template limits (detinfer/chat.py), for any template (the model's, a `--chat-template` file, one recorded",
+        "- Template limits (detinfer/model/sandbox.py), for any template (the model's, a `--chat-template` file, one recorded",
         "  in a manifest or session): at most 1,000,000 steps per render (every line of the compiled template, so every",
         "  loop iteration over a string, list or messages, and every Python call, lookup, filter and operator), 1 s of",
-        "  CPU time, 64 MiB of strings and lists built in total, 16 MiB of output or for any one value (`~` is checked",
-        "  before it joins), range() of at most 100,000 items; recursion and memory errors become TemplateError (CLI",
-        "  exit 2, server 400).",
+        "  CPU time, 64 MiB of strings and lists built in total, 16 MiB of output or for any one value (every operation",
+        "  that can build far more than it is given is sized before it runs), range() of at most 100,000 items;",
+        "  recursion and memory errors become TemplateError (CLI exit 2, server 400).",
         "- `tests/test_reliability.py` (issue 16): each reproduction of the second adversarial pass as a test:",
         "  looping and blowing-up templates in `run`, `run --manifest`, `verify` and the server (slots freed);",
         "  SIGTERM during a generation and a render (exits within `--drain`); JSON nested 10^5 deep or with",
@@ -987,6 +1099,20 @@ def report_markdown(results: dict[str, dict]) -> str:
         "  /dev/zero as every input; `--out` at a FIFO, symlink, directory, path under a file or /proc; port and host;",
         "  leftovers of killed pulls removed; a forged `.detkv` a cache miss; 404/405 in OpenAI's shape, header and",
         "  body read timeouts, aborted bodies without tracebacks, `stream_options` without `stream`, UTF-8 API keys.",
+        "- `tests/test_bounds.py` (issue 32, bounds and the constraint contract), one test per class: constraint files",
+        "  (`--grammar` FIFO, `--json-schema /dev/zero`, a sparse 1 TiB schema: one line, exit 2, at once) and invalid",
+        "  UTF-8 in `--regex` (`test_constraint_files_are_read_like_every_input`, `test_invalid_utf8_in_a_constraint_is_named`);",
+        "  template size bombs, 29 operations refused before they build, peak RSS of the render under 200 MB against a",
+        "  control that sees 300 MB (`test_template_size_bombs_fail_before_they_build`), the same operations rendering",
+        "  exactly as jinja2 at ordinary sizes (`test_sized_operations_render_what_jinja_renders`) and a resealed manifest",
+        "  with a format bomb failing `verify` as bad input (`test_resealed_manifest_with_a_format_bomb_fails_verify_fast_as_bad_input`);",
+        "  Lark grammars naming control tokens refused (`test_a_grammar_naming_a_control_token_is_refused_before_any_token`)",
+        "  and no mask reaching one even unchecked, against a control that does (`test_no_grammar_reaches_a_control_token_even_unchecked`);",
+        "  wide constraints decoding and ones past the parser's limits failing before the first token",
+        "  (`test_wide_constraints_under_the_cap_decode`, `test_a_constraint_past_the_parser_limits_fails_before_the_first_token`);",
+        "  stop strings cutting a constrained output (`test_a_stop_string_cutting_a_constrained_output_says_so`); call markup",
+        "  inside forced call arguments for hermes, mistral and llama3 (`test_a_forced_call_whose_argument_holds_call_markup_parses_as_the_call`)",
+        "  and tool names (`test_tool_names_are_openai_function_names`).",
         "- JSON inputs (detinfer/fileio.py): read only from regular files (opened non-blocking, so a FIFO cannot hang",
         "  a read) of at most 64 MiB, at most 64 levels deep, integers up to Python's 4,300 digits (the pydantic",
         "  models bound every value), no lone surrogates.",

@@ -218,7 +218,7 @@ def test_cli_round_trip_verify_and_edit(engine, home, model_path, tmp_path):
     (["--json", "--regex", "a"], "give at most one constraint; got --json, --regex"),
     (["--regex", "a(b"], "invalid regex constraint"),
     (["--json", "--ignore-eos"], "drop --ignore-eos"),
-    (["--grammar", "/nonexistent.lark"], "cannot read lark file"),
+    (["--grammar", "/nonexistent.lark"], "cannot read --grammar file /nonexistent.lark: file not found"),
 ])  # fmt: skip
 def test_cli_bad_constraint_is_one_line_exit_2(home, model_path, args, expected):
     r = cli(home, "run", "-m", model_path, "-p", "hi", "--threads", "1", *args)

@@ -22,11 +22,13 @@ import fuzz  # noqa: E402
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 
 from detinfer.errors import TemplateError  # noqa: E402
-from detinfer.model import chat  # noqa: E402
-from detinfer.model.chat import MAX_RENDER_CHARS, ChatTemplate  # noqa: E402
+from detinfer.model import sandbox  # noqa: E402
+from detinfer.model.chat import ChatTemplate  # noqa: E402
+from detinfer.model.sandbox import MAX_RENDER_CHARS  # noqa: E402
 
 EXAMPLES = {"gguf": 250, "manifest": 300, "session": 300, "script": 300, "detkv": 300, "template": 300, "http": 200,
-            "template_loops": 40, "deep_json": 80, "special_files": 150}
+            "template_loops": 40, "deep_json": 80, "special_files": 150,
+            "template_bombs": 60, "constraints": 150}
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -104,7 +106,7 @@ def test_template_cannot_reach_python_internals(source: str) -> None:
         ("{{ 'a' * 1000000000 }}", "limit"),
         ("{{ 2 ** 100000000 }}", "exponent"),
         ("{{ 'x' | center(1000000000) }}", "limit"),
-        ("{{ '{:>1000000000}'.format(1) }}", "width"),
+        ("{{ '{:>1000000000}'.format(1) }}", "str.format would make a value"),
         ("{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}", "limit"),
         ("{% for i in range(100000) %}{{ 'abcdefghij' * 100 }}{% endfor %}", "characters"),
         ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError"),
@@ -113,7 +115,7 @@ def test_template_cannot_reach_python_internals(source: str) -> None:
 def test_template_runaway_is_stopped(source: str, needle: str, monkeypatch) -> None:
     """Loops that (nearly) never end and huge outputs stop with a clear one-line TemplateError, in bounded time."""
     if needle == "steps":  # the step limit on its own: 10^6 steps take over 1 s of CPU on a slow machine
-        monkeypatch.setattr(chat, "MAX_RENDER_CPU_S", 60.0)
+        monkeypatch.setattr(sandbox, "MAX_RENDER_CPU_S", 60.0)
     t0 = time.perf_counter()
     with pytest.raises(TemplateError) as e:
         ChatTemplate(source).render(MESSAGES)

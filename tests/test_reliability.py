@@ -30,8 +30,9 @@ from gguf_factory import CHATML, write_tiny_gguf
 
 from detinfer.compute.engine import Engine
 from detinfer.errors import ManifestError, TemplateError
-from detinfer.model import chat
-from detinfer.model.chat import MAX_RENDER_BYTES, MAX_RENDER_CHARS, ChatTemplate
+from detinfer.model import sandbox
+from detinfer.model.chat import ChatTemplate
+from detinfer.model.sandbox import MAX_RENDER_BYTES, MAX_RENDER_CHARS
 from detinfer.model.gguf_file import HEADER_KEY_BYTES, INDEX_VERSION, ModelFile
 from detinfer.records.kvfile import load_kv, save_kv
 from detinfer.records.manifest import RunManifest, tokens_sha256, write_manifest
@@ -106,11 +107,11 @@ MANY_BIG_VALUES = "{% set s = 'x' * 8000000 %}{% for i in range(100) %}{% set t 
 )
 def test_template_stops_within_cpu_and_memory_budget(source: str, messages: list, needle: str, monkeypatch):
     if needle == "steps":  # the step limit on its own: 10^6 steps take over 1 s of CPU on a slow machine
-        monkeypatch.setattr(chat, "MAX_RENDER_CPU_S", 60.0)
+        monkeypatch.setattr(sandbox, "MAX_RENDER_CPU_S", 60.0)
     t0 = time.thread_time()
     with pytest.raises(TemplateError) as e:
         ChatTemplate(source).render(messages)
-    assert time.thread_time() - t0 < chat.MAX_RENDER_CPU_S + 0.5
+    assert time.thread_time() - t0 < sandbox.MAX_RENDER_CPU_S + 0.5
     assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
     if "steps" not in needle:  # the memory cases, again under tracemalloc (which makes loops too slow to time)
         tracemalloc.start()
@@ -125,12 +126,12 @@ def test_template_stops_within_cpu_and_memory_budget(source: str, messages: list
 
 def test_template_cpu_budget_stops_a_render_on_its_own(monkeypatch):
     """The CPU-time limit with the step limit out of reach: the render stops at it, with a one-line error."""
-    monkeypatch.setattr(chat, "MAX_RENDER_STEPS", 10**12)
-    monkeypatch.setattr(chat, "MAX_RENDER_CPU_S", 0.2)
+    monkeypatch.setattr(sandbox, "MAX_RENDER_STEPS", 10**12)
+    monkeypatch.setattr(sandbox, "MAX_RENDER_CPU_S", 0.2)
     t0 = time.thread_time()
     with pytest.raises(TemplateError) as e:  # 60^3 loop steps: seconds of CPU without the limit, on any machine
         ChatTemplate(NESTED_MESSAGE_LOOPS).render([{"role": "user", "content": "x"}] * 60)
-    assert time.thread_time() - t0 < chat.MAX_RENDER_CPU_S + 0.5
+    assert time.thread_time() - t0 < sandbox.MAX_RENDER_CPU_S + 0.5
     assert "0.2 s of CPU time" in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 

@@ -6,7 +6,7 @@ Modelled on llama-cpp-python's ``Llama``::
     import detinfer
     llm = detinfer.load()                       # the registry's default model, n_ctx 4096, f32 KV cache
     run = llm.chat([{"role": "user", "content": "Hi"}], max_tokens=16)
-    run.text, run.tokens, run.stop_reason       # str, list[int], "eos" | "stop" | "max_tokens" | "length"
+    run.text, run.tokens, run.stop_reason       # str, list[int], "eos" | "stop" | "stop_cut" | "max_tokens" | "length"
     run.manifest.save("run.json")               # the run manifest; `detinfer verify run.json` re-executes it
 
 Every call is a pure function of the model file, the prompt and the sampling options: the same call gives the

@@ -5,7 +5,7 @@ Modelled on llama-cpp-python's ``Llama`` (``create_completion`` / ``create_chat_
     import detinfer
     llm = detinfer.load()                       # the registry's default model, n_ctx 4096, f32 KV cache
     run = llm.chat([{"role": "user", "content": "Hi"}], max_tokens=16)
-    run.text, run.tokens, run.stop_reason       # str, list[int], "eos" | "stop" | "max_tokens" | "length"
+    run.text, run.tokens, run.stop_reason       # str, list[int], "eos" | "stop" | "stop_cut" | "max_tokens" | "length"
     run.manifest.save("run.json")               # the run manifest; `detinfer verify run.json` re-executes it
 
 Every call is a pure function of the model file, the prompt and the sampling options: the same call gives the
@@ -29,11 +29,11 @@ from ..compute.engine import (
     check_chunk_size,
     set_threads,
 )
-from ..compute.generate import Step, check_prompt
+from ..compute.generate import OPENAI_FINISH_REASON, Step, check_prompt
 from ..compute.prefix_cache import PrefixCache
 from ..compute.sampling import Sampling, SamplingOverrides
 from ..errors import InputError
-from ..fileio import read_input_text
+from ..fileio import read_input_text, utf8_error
 from ..model.chat import ChatTemplate, load_messages, validate_messages
 from ..model.registry import resolve_model
 from ..records.manifest import RunManifest
@@ -55,8 +55,6 @@ from ..records.session import (
 __all__ = ["LLM", "PROGRESS_MARK", "check_chunk_size", "Conversation", "Result", "SessionResult", "Stream", "constraint_from_options", "load", "load_messages",
            "read_prompt_file", "set_threads"]
 
-# OpenAI's finish_reason for each stop reason (an end-of-generation token or a stop string is "stop").
-FINISH_REASON = {"eos": "stop", "stop": "stop", "max_tokens": "length", "length": "length"}
 
 
 @dataclass(frozen=True, eq=False)
@@ -86,7 +84,8 @@ class Result:
 
     @property
     def stop_reason(self) -> str:
-        """"eos" (end-of-generation token), "stop" (a stop string), "max_tokens" or "length" (context full)."""
+        """"eos" (end-of-generation token), "stop" (a stop string), "stop_cut" (a stop string cut a constrained
+        output short of its grammar's end), "max_tokens" or "length" (context full)."""
         return self.manifest.output.stop_reason
 
     @property
@@ -103,7 +102,7 @@ class Result:
         exact ``usage``. ``id`` is derived from the output token hash, so the same run gives the same id."""
         m = self.manifest
         chat = m.prompt.chat
-        choice: dict[str, Any] = {"index": 0, "finish_reason": FINISH_REASON[self.stop_reason], "logprobs": None}
+        choice: dict[str, Any] = {"index": 0, "finish_reason": OPENAI_FINISH_REASON[self.stop_reason], "logprobs": None}
         choice.update({"message": {"role": "assistant", "content": self.text}} if chat else {"text": self.text})
         n_prompt, n_out = len(self.prompt_tokens), len(self.tokens)
         return {
@@ -224,6 +223,8 @@ class LLM:
         else:
             if not isinstance(prompt, str):
                 raise InputError(f"prompt must be a string, got {type(prompt).__name__}; use messages= for a chat")
+            if (bad := utf8_error(prompt)) is not None:
+                raise InputError(f"the prompt is not valid UTF-8: {bad}")
             p = build_prompt(self.engine, text=prompt)
         check_prompt(self.engine, p.token_ids)
         if constraint is not None:
@@ -323,11 +324,11 @@ def constraint_from_options(*, json_schema: str | os.PathLike | None = None, jso
     if len(given) > 1:
         raise InputError(f"give at most one constraint; got {', '.join(given)}")
     if json_schema is not None:
-        constraint = Constraint.from_file("json_schema", json_schema)
+        constraint = Constraint.from_file("json_schema", json_schema, source="--json-schema")
     elif grammar is not None:
-        constraint = Constraint.from_file("lark", grammar)
+        constraint = Constraint.from_file("lark", grammar, source="--grammar")
     elif regex is not None:
-        constraint = Constraint.create("regex", regex)
+        constraint = Constraint.create("regex", regex, source="--regex")
     else:
         constraint = Constraint.create("json_object") if json_object else None
     check_ignore_eos(constraint, ignore_eos)

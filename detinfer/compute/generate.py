@@ -23,9 +23,13 @@ from .sampler import log_softmax_at, sample, top_logits
 from .sampling import Sampling
 
 DIGEST_SEED = hashlib.sha256(b"detinfer-logits/1").hexdigest()
-STOP_REASONS = ("eos", "stop", "max_tokens", "length")
-# OpenAI's finish_reason for each stop reason (an end-of-generation token or a stop string is "stop")
-OPENAI_FINISH_REASON = {"eos": "stop", "stop": "stop", "max_tokens": "length", "length": "length"}
+# "stop_cut": a stop string cut a constrained output before its grammar ended it (with an end-of-generation token),
+# so the text may not parse; "stop" is kept for an unconstrained one.
+STOP_REASONS = ("eos", "stop", "stop_cut", "max_tokens", "length")
+# OpenAI's finish_reason for each stop reason (an end-of-generation token or a stop string is "stop"). A constrained
+# output cut by a stop string is "length", OpenAI's word for an output cut short: structured-output clients then
+# treat it as incomplete (openai's parse() raises LengthFinishReasonError) instead of parsing a cut JSON.
+OPENAI_FINISH_REASON = {"eos": "stop", "stop": "stop", "stop_cut": "length", "max_tokens": "length", "length": "length"}
 
 
 def chain_digest(previous: str, logits: np.ndarray) -> str:
@@ -143,7 +147,7 @@ def generate(
     stored there (not that of a generation stopped early by its consumer).
 
     Stops at an end-of-generation token (not emitted as text; unless ``sampling.ignore_eos``), a stop string (its
-    text is never emitted), ``sampling.max_tokens``, or the end of the context (stop reason "length": a token at position p
+    text is never emitted; stop reason "stop", or "stop_cut" with a constraint: see STOP_REASONS), ``sampling.max_tokens``, or the end of the context (stop reason "length": a token at position p
     needs p < n_ctx). ``result`` (optional) is filled in as the stream advances, with the final KV digest at the
     end. ``logprobs_k`` (optional, 0..n_vocab; default off, costing nothing) adds to each sampled Step, and to
     ``result.logprobs``, the logprob of the sampled token and the ``logprobs_k`` most likely tokens under the raw
@@ -214,7 +218,8 @@ def generate(
             if guide is not None:
                 guide.consume(token)
             text, hit = matcher.push(decoder.feed(token))
-            reason = "stop" if hit else "max_tokens" if index + 1 >= max_tokens else "length" if position + 1 >= engine.n_ctx else None
+            stop_hit = "stop" if guide is None else "stop_cut"
+            reason = stop_hit if hit else "max_tokens" if index + 1 >= max_tokens else "length" if position + 1 >= engine.n_ctx else None
             if reason in ("max_tokens", "length"):
                 text += matcher.finish()
         res.text += text

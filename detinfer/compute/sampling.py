@@ -17,6 +17,7 @@ from pydantic import (
 from typing_extensions import Self
 
 from ..errors import InputError
+from ..fileio import utf8_error
 
 U64 = 2**64
 
@@ -79,10 +80,8 @@ class Sampling(SamplingParams):
     @classmethod
     def _utf8(cls, value: list[str]) -> list[str]:
         for i, s in enumerate(value):
-            try:
-                s.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ValueError(f"stop string {i} is not valid UTF-8 (code point U+{ord(s[e.start]):04X} at {e.start})") from None
+            if (bad := utf8_error(s)) is not None:
+                raise ValueError(f"stop string {i} is not valid UTF-8: {bad}")
         return value
 
 

@@ -1,5 +1,5 @@
 """Chat templates: the model's ``tokenizer.chat_template`` (or a jinja file, or a built-in format) rendered in
-jinja2's immutable sandbox.
+jinja2's immutable sandbox (model/sandbox.py, with its render budget).
 
 The environment matches HF transformers' ``apply_chat_template`` (``trim_blocks``, ``lstrip_blocks``,
 ``loopcontrols``, a ``tojson`` that does not escape HTML, ``raise_exception``) so a template renders the
@@ -13,228 +13,23 @@ src/llama-chat.cpp). Every kind renders through the same sandbox; where the text
 
 from __future__ import annotations
 
-import contextvars
-import json
 import os
-import re
-import sys
-import time
 from pathlib import Path
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal
 
 import jinja2
-import jinja2.ext
-from jinja2 import nodes
-from jinja2.compiler import CodeGenerator, Frame
-from jinja2.exceptions import SecurityError
-from jinja2.sandbox import MAX_RANGE, ImmutableSandboxedEnvironment
 
 from ..errors import InputError, TemplateError
-from ..fileio import parse_json, read_input, read_input_text, sha256_bytes
+from ..fileio import parse_json, read_input, read_input_text, sha256_bytes, utf8_error
 from .gguf_file import ModelFile
+from .sandbox import MAX_RENDER_CHARS, environment, render_budget
 from .tokenizer import Tokenizer
+
+MAX_TEMPLATE_BYTES = 1024 * 1024  # a --chat-template file
 
 
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
-
-
-def _raise_exception(message: str) -> NoReturn:
-    raise TemplateError(f"chat template refused the messages: {message}")
-
-
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:  # fmt: skip
-    """HF transformers' ``tojson`` filter: plain ``json.dumps``, unlike jinja2's HTML-escaping one."""
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-# Render limits. A template is code from the model file (or a manifest, or a user's file): these stop one that
-# loops (nearly) forever or builds huge values. Steps and bytes are counted, so a template renders or fails the
-# same way on any machine; the CPU-time limit is a backstop far above what the step limit allows.
-MAX_RENDER_CHARS = 16 * 1024 * 1024  # rendered text, and any one string or list a template builds or passes
-MAX_RENDER_STEPS = 1_000_000  # template lines run (each loop iteration), Python calls, lookups, operators
-MAX_RENDER_BYTES = 64 * 1024 * 1024  # total size of the strings and lists a render's operators, filters and calls make
-MAX_RENDER_CPU_S = 1.0  # CPU seconds of the rendering thread
-MAX_TEMPLATE_BYTES = 1024 * 1024  # a --chat-template file
-_CPU_CHECK_EVERY = 1024  # steps between two looks at the thread's CPU clock
-
-
-class _Budget:
-    """Steps, bytes and CPU time left for one render (one per render: renders in other threads keep their own)."""
-
-    def __init__(self) -> None:
-        self.steps = 0
-        self.bytes = 0
-        self.cpu0 = time.thread_time()
-
-    def step(self, n: int = 1) -> None:
-        self.steps += n
-        if self.steps > MAX_RENDER_STEPS:
-            raise TemplateError(
-                f"chat template stopped: it ran more than {MAX_RENDER_STEPS:,} steps (a loop that does not end?)"
-            )
-        if self.steps % _CPU_CHECK_EVERY < n and time.thread_time() - self.cpu0 > MAX_RENDER_CPU_S:
-            raise TemplateError(f"chat template stopped: it used more than {MAX_RENDER_CPU_S:g} s of CPU time")
-
-    def allocate(self, value: Any) -> None:
-        if isinstance(value, (str, bytes, list, tuple, dict)):
-            self.bytes += sys.getsizeof(value)
-            if self.bytes > MAX_RENDER_BYTES:
-                raise TemplateError(f"chat template stopped: it built more than {MAX_RENDER_BYTES // 2**20} MiB of strings and lists")
-
-    def tracer(self, frame: Any, event: str, arg: Any) -> Any:
-        """sys.settrace hook: every Python call counts one step; inside the compiled template every line does too,
-        so loops jinja runs as plain Python ``for`` statements (over strings, lists, messages) are counted."""
-        self.step()
-        return self._in_template if frame.f_code.co_filename == "<template>" else None
-
-    def _in_template(self, frame: Any, event: str, arg: Any) -> Any:
-        self.step()
-        return self._in_template
-
-
-_budget: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("detinfer_template_budget", default=None)
-
-
-def _spend(n: int = 1) -> None:
-    budget = _budget.get()
-    if budget is not None:
-        budget.step(n)
-
-
-def _checked(value: Any, what: str) -> Any:
-    """``value`` unless it is a string, list or int too large for a chat prompt (TemplateError naming ``what``)."""
-    if isinstance(value, (str, bytes, list, tuple)) and len(value) > MAX_RENDER_CHARS:
-        raise TemplateError(f"chat template stopped: {what} made a value of length {len(value):,} (limit {MAX_RENDER_CHARS:,})")
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_RENDER_CHARS:
-        raise TemplateError(f"chat template stopped: {what} used the number {value} (limit {MAX_RENDER_CHARS:,})")
-    return value
-
-
-def _made(value: Any, what: str) -> Any:
-    """A value the template just built: checked (see _checked) and counted against the render's bytes."""
-    _checked(value, what)
-    budget = _budget.get()
-    if budget is not None:
-        budget.allocate(value)
-    return value
-
-
-def _concat(parts: tuple) -> str:
-    """The ``~`` operator (jinja's str_join), its length checked before the string is built."""
-    _spend()
-    texts = [str(p) for p in parts]
-    n = sum(map(len, texts))
-    if n > MAX_RENDER_CHARS:
-        raise TemplateError(f"chat template stopped: '~' made a value of length {n:,} (limit {MAX_RENDER_CHARS:,})")
-    return _made("".join(texts), "'~'")
-
-
-class _CodeGenerator(CodeGenerator):
-    """jinja's compiler, except that ``a ~ b`` calls :func:`_concat` (no autoescape here, so always plain str)."""
-
-    def visit_Concat(self, node: nodes.Concat, frame: Frame) -> None:
-        self.write("environment.concat_checked((")
-        for arg in node.nodes:
-            self.visit(arg, frame)
-            self.write(", ")
-        self.write("))")
-
-
-class _CountedRange:
-    """The template's ``range``: a range of at most MAX_RANGE items (as jinja's sandbox allows), each item
-    counted against the render budget as it is iterated."""
-
-    def __init__(self, *args: int):
-        for a in args:
-            _checked(a, "range()")
-        self._r = range(*args)
-        if len(self._r) > MAX_RANGE:
-            raise TemplateError(f"chat template stopped: range() of {len(self._r):,} items (limit {MAX_RANGE:,})")
-
-    def __iter__(self) -> Any:
-        for i in self._r:
-            _spend()
-            yield i
-
-    def __reversed__(self) -> Any:
-        for i in reversed(self._r):
-            _spend()
-            yield i
-
-    def __len__(self) -> int:
-        return len(self._r)
-
-    def __getitem__(self, i: Any) -> Any:
-        return self._r[i]
-
-    def __contains__(self, x: Any) -> bool:
-        return x in self._r
-
-
-def _limited_filter(f: Any) -> Any:
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        _spend()
-        for a in (*args[1:], *kwargs.values()):
-            _checked(a, "a filter argument")
-        return _made(f(*args, **kwargs), "a filter")
-
-    for attr in ("jinja_pass_arg",):  # pass_context / pass_environment markers must survive the wrapping
-        if hasattr(f, attr):
-            setattr(wrapper, attr, getattr(f, attr))
-    return wrapper
-
-
-class _Sandbox(ImmutableSandboxedEnvironment):
-    """The immutable sandbox, except that an unsafe attribute access fails at once instead of rendering
-    as an empty string, so a template probing ``__class__`` & co. is reported, not silently half-run.
-
-    Every lookup, call, filter and arithmetic operator is counted and its result size checked (see the limits above).
-    """
-
-    intercepted_binops = frozenset({"+", "*", "**", "%", "//", "/", "-"})
-    code_generator_class = _CodeGenerator
-    concat_checked = staticmethod(_concat)
-
-    def unsafe_undefined(self, obj: Any, attribute: str) -> NoReturn:
-        raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
-
-    def getattr(self, obj: Any, attribute: str) -> Any:
-        _spend()
-        return _checked(super().getattr(obj, attribute), "an attribute")
-
-    def getitem(self, obj: Any, argument: Any) -> Any:
-        _spend()
-        return _checked(super().getitem(obj, argument), "an item")
-
-    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 (jinja's signature)
-        _spend()
-        for a in (*args, *kwargs.values()):
-            _checked(a, "a call argument")
-        owner = getattr(getattr(__obj, "__wrapped__", __obj), "__self__", None)  # the sandbox wraps str.format
-        if isinstance(owner, str) and getattr(__obj, "__name__", "") in ("format", "format_map") and re.search(r"\d{8}", owner):
-            raise TemplateError("chat template stopped: a format string asks for a width of 8 or more digits")
-        return _made(super().call(__context, __obj, *args, **kwargs), "a call")
-
-    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        _spend()
-        if operator == "**" and isinstance(right, int) and abs(right) > 64 and not isinstance(left, float):
-            raise TemplateError(f"chat template stopped: exponent {right} is too large")
-        if operator == "*" and isinstance(left, (str, list, tuple)) and isinstance(right, int):
-            _checked(len(left) * right, "'*'")
-        if operator == "*" and isinstance(right, (str, list, tuple)) and isinstance(left, int):
-            _checked(len(right) * left, "'*'")
-        return _made(super().call_binop(context, operator, left, right), f"{operator!r}")
-
-
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.filters = {name: _limited_filter(f) for name, f in env.filters.items()}
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["range"] = _CountedRange
-    return env
 
 
 ROLES = ("system", "user", "assistant", "tool")  # roles a conversation file or session may use
@@ -244,7 +39,7 @@ def validate_messages(messages: Any, *, where: str = "messages") -> list[dict[st
     """Check ``messages`` is a non-empty list of dicts with string ``role`` and string ``content``.
 
     Other keys are kept for templates that use them. Returns the list; raises InputError naming ``where``
-    and the index of the first bad message.
+    and the index of the first bad message (a role or content that is not valid UTF-8 included).
     """
     if not isinstance(messages, list):
         raise InputError(f"{where}: expected a list of {{role, content}} objects, got {type(messages).__name__}")
@@ -259,6 +54,8 @@ def validate_messages(messages: Any, *, where: str = "messages") -> list[dict[st
             if not isinstance(m[key], str):
                 kind = type(m[key]).__name__
                 raise InputError(f"{where}: message {i} has a {key!r} of type {kind}, expected a string")
+            if (bad := utf8_error(m[key])) is not None:
+                raise InputError(f"{where}: message {i}'s {key!r} is not valid UTF-8: {bad}")
     return messages
 
 
@@ -303,7 +100,7 @@ class ChatTemplate:
         self.add_bos: bool | None = None if origin == "builtin" else False
         self._renders_tools: bool | None = None
         try:
-            self._template = _environment().from_string(source)
+            self._template = environment().from_string(source)
         except jinja2.TemplateSyntaxError as e:
             raise TemplateError(f"chat template does not compile: line {e.lineno}: {_one_line(e)}") from None
         except Exception as e:  # jinja2 raises TemplateAssertionError, etc.
@@ -378,21 +175,18 @@ class ChatTemplate:
         template (undefined attribute, sandbox violation, ``raise_exception``, type error...).
         """
         validate_messages(messages)
-        budget = _Budget()
-        token = _budget.set(budget)
-        outer_trace = sys.gettrace()
-        sys.settrace(budget.tracer)  # this thread only: renders in other threads keep their own budget
         try:
-            parts, n = [], 0
-            for part in self._template.generate(
-                messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos_token,
-                eos_token=eos_token, tools=tools,
-            ):  # fmt: skip
-                n += len(part)
-                if n > MAX_RENDER_CHARS:
-                    raise TemplateError(f"chat template stopped: the rendered prompt passed {MAX_RENDER_CHARS:,} characters")
-                parts.append(part)
-            return "".join(parts)
+            with render_budget():
+                parts, n = [], 0
+                for part in self._template.generate(
+                    messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos_token,
+                    eos_token=eos_token, tools=tools,
+                ):  # fmt: skip
+                    n += len(part)
+                    if n > MAX_RENDER_CHARS:
+                        raise TemplateError(f"chat template stopped: the rendered prompt passed {MAX_RENDER_CHARS:,} characters")
+                    parts.append(part)
+                return "".join(parts)
         except TemplateError:
             raise
         except (RecursionError, MemoryError) as e:
@@ -401,6 +195,3 @@ class ChatTemplate:
             raise TemplateError(f"chat template failed: {type(e).__name__}: {_one_line(e)}") from None
         except Exception as e:  # a template can raise anything Python can (TypeError, ZeroDivisionError...)
             raise TemplateError(f"chat template failed: {type(e).__name__}: {_one_line(e)}") from None
-        finally:
-            sys.settrace(outer_trace)
-            _budget.reset(token)

@@ -105,7 +105,7 @@ class EngineRecord(_Record):
 class OutputRecord(OmitNone, _Record):
     token_ids: list[TokenId]
     text: str
-    stop_reason: Literal["eos", "stop", "max_tokens", "length"]
+    stop_reason: Literal["eos", "stop", "stop_cut", "max_tokens", "length"]
     tokens_sha256: str
     kv_sha256: str
     logits_digests: list[str]

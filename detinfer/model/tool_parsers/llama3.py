@@ -14,7 +14,7 @@ TAG = "<|python_tag|>"
 def split(text: str) -> tuple[str, list[Any]] | None:
     try:
         calls = json.loads(text.strip().removeprefix(TAG))
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested deeper than the decoder recurses
         return None
     return "", calls if isinstance(calls, list) else [calls]
 

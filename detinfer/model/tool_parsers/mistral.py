@@ -14,7 +14,7 @@ def split(text: str) -> tuple[str, list[Any]] | None:
     before, _, rest = text.partition(MARKER)
     try:
         calls = json.loads(rest)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested deeper than the decoder recurses
         return None
     return before, calls if isinstance(calls, list) else [calls]
 
