@@ -23,17 +23,19 @@ import jinja2.ext
 import llguidance
 import numpy as np
 import pytest
+from pydantic import ValidationError
 from cli_helpers import cli
 from gguf_factory import CHATML, write_tiny_gguf
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from test_reliability import detinfer, one_error_line, resealed
 
+from detinfer.api import load
 from detinfer.compute import constrain
 from detinfer.compute.constrain import MAX_CONSTRAINT_BYTES, Constraint, Guide, check_tools, json_schema_constraint, tool_call_constraint
 from detinfer.compute.engine import Engine, set_threads
 from detinfer.compute.generate import OPENAI_FINISH_REASON, generate
 from detinfer.compute.sampling import Sampling
-from detinfer.errors import ConstraintError
+from detinfer.errors import ConstraintError, DetinferError
 from detinfer.model.chat import ChatTemplate
 from detinfer.model.sandbox import _tojson
 from detinfer.model.tool_parsers import FORMATS
@@ -86,19 +88,67 @@ def test_constraint_files_are_read_like_every_input(home: Path, tiny_chat: Path,
     assert json.loads((tmp_path / "run.json").read_text())["output"]["text"] == "ab"
 
 
-def test_invalid_utf8_in_a_constraint_is_named(home: Path, tiny_chat: Path):
-    """``--regex $'a\\xff'`` reaches Python as 'a\\udcff': a ConstraintError naming the option and the byte."""
+ARGV_CASES = {
+    "regex": ([b"-p", b"hi", b"--regex", b"a\xff"], "--regex is not valid UTF-8: byte 0xff at character 1"),
+    "stop": ([b"-p", b"hi", b"--stop", b"\xff"], "stop string 0 is not valid UTF-8: byte 0xff at character 0"),
+    "prompt": ([b"-p", b"h\xffi"], "the prompt is not valid UTF-8: byte 0xff at character 1"),
+    "system": ([b"-p", b"hi", b"--chat", b"--system", b"\xfe"], "message 0's 'content' is not valid UTF-8: byte 0xfe at character 0"),
+    "max-tokens": ([b"-p", b"hi", b"-n", b"2147483648"], "max_tokens=2147483648"),
+    "valid": ([b"-p", "é".encode(), b"--stop", "é".encode(), b"--regex", "[a-zé]+".encode(), b"-n", b"2147483647"], None),
+}
+
+
+@pytest.mark.parametrize("case", list(ARGV_CASES))
+def test_invalid_arguments_are_one_line_exit_2(home: Path, tiny_chat: Path, case: str):
+    """Undecodable argv bytes reach Python as lone surrogates (``$'a\\xff'`` is 'a\\udcff'): each is named, one line,
+    exit 2, never a UnicodeEncodeError; so is ``-n 2**31``. Negative control: the same options, valid, run."""
+    args, needle = ARGV_CASES[case]
     env = dict(os.environ, DETINFER_HOME=str(home), COLUMNS="200")
-    argv = [sys.executable.encode(), b"-m", b"detinfer.cli", b"run", b"--model", bytes(tiny_chat), b"--prompt", b"hi", b"--regex", b"a\xff"]
+    argv = [sys.executable.encode(), b"-m", b"detinfer.cli", b"run", b"--model", bytes(tiny_chat), b"--ctx", b"64", b"--threads", b"1",
+            b"--quiet", *args]  # fmt: skip
     r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
-    one_error_line(r, "--regex is not valid UTF-8: byte 0xff at character 1")
-    for text, needle in (("a\udcff", "byte 0xff"), ("\ud800", "the lone surrogate \\ud800")):  # a JSON \ud800 escape
+    if needle is None:
+        assert r.returncode == 0, r.stderr
+    else:
+        one_error_line(r, needle)
+
+
+def test_invalid_utf8_in_a_constraint_is_named():
+    """A lone surrogate in a constraint's text (an argv byte, a JSON \\ud800 escape) is a ConstraintError naming it."""
+    for text, needle in (("a\udcff", "byte 0xff"), ("\ud800", "the lone surrogate \\ud800")):
         with pytest.raises(ConstraintError, match=re.escape(needle)):
-            Constraint.create("regex", text)
+            Constraint.create("regex", text, source="--regex")
     with pytest.raises(ConstraintError, match="lone surrogate"):
         json_schema_constraint({"const": "\ud800"})
     with pytest.raises(ConstraintError, match="nested too deeply"):
         Constraint.create("json_schema", '{"a":' * 5000 + "1" + "}" * 5000)
+    deep: dict = {}
+    for _ in range(100_000):  # a parsed schema from the API, nested past what json.dumps recurses
+        deep = {"not": deep}
+    with pytest.raises(ConstraintError, match="nested too deeply to serialize"):
+        json_schema_constraint(deep)
+
+
+def test_out_of_range_integers_are_bad_input_in_the_library_and_one_batch_line(home: Path, tiny_chat: Path, tmp_path: Path):
+    """max_tokens 2**31 (and the other integer options past their ranges) raise a DetinferError from the library,
+    never pydantic's ValidationError; in a batch only that line is bad input. Controls: the largest valid values
+    pass, and the batch's good line is written."""
+    llm = load(tiny_chat, n_ctx=64, threads=1)
+    for bad in (dict(max_tokens=2**31), dict(seed=2**64), dict(top_k=2**63), dict(repeat_last_n=-1), dict(stop=["\udcff"])):
+        with pytest.raises(DetinferError) as e:
+            llm.stream("hi", **bad)
+        assert not isinstance(e.value, ValidationError) and "\n" not in str(e.value), bad
+    script = {"turns": [{"messages": [{"role": "user", "content": "hi"}], "sampling": {"max_tokens": 2**31}}]}
+    with pytest.raises(DetinferError, match="max_tokens=2147483648"):
+        llm.session(script)
+    assert Sampling.create(max_tokens=2**31 - 1, seed=2**64 - 1, top_k=2**63 - 1).max_tokens == 2**31 - 1
+    lines = [{"id": "big", "prompt": "hi", "sampling": {"max_tokens": 2**31}}, {"id": "ok", "prompt": "hi", "sampling": {"max_tokens": 2}}]
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    r = cli(home, "batch", batch, "--out-dir", tmp_path / "out", "--model", tiny_chat, "--ctx", "64", "--threads", "1")
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert "line 1:" in r.output and "max_tokens" in r.output and "1 written" in r.output and "1 bad input" in r.output, r.output
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["ok.json"]
 
 
 # ------------------------------------------------------------------------------------------ 2. template size bombs
@@ -140,17 +190,24 @@ PROBE = textwrap.dedent("""
     import json, resource, sys, time
     from detinfer.model.chat import ChatTemplate
     from detinfer.errors import TemplateError
+
+    def peak_rss_mb():  # this process image's high-water RSS: ru_maxrss would keep the forking parent's across exec
+        try:
+            with open("/proc/self/status") as f:
+                return next(int(line.split()[1]) // 1024 for line in f if line.startswith("VmHWM:"))
+        except OSError:
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+
     for name, source in json.loads(sys.argv[1]).items():
         t0 = time.process_time()
         try:
             outcome = "rendered %d characters" % len(ChatTemplate(source).render([{"role": "user", "content": "hi"}]))
         except TemplateError as e:
             outcome = "TemplateError: " + str(e)
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
-        print(json.dumps({"name": name, "outcome": outcome, "cpu_s": time.process_time() - t0, "peak_rss_mb": rss}), flush=True)
+        print(json.dumps({"name": name, "outcome": outcome, "cpu_s": time.process_time() - t0, "peak_rss_mb": peak_rss_mb()}), flush=True)
     if len(sys.argv) > 2:  # the control: a real 300 MB allocation must show in the same measurement
         block = bytearray(300 * 2**20)
-        print(json.dumps({"name": "control", "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}))
+        print(json.dumps({"name": "control", "peak_rss_mb": peak_rss_mb()}))
 """)
 
 

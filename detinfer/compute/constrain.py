@@ -128,10 +128,18 @@ def check_ignore_eos(constraint: Constraint | None, ignore_eos: bool) -> None:
 
 
 def json_schema_constraint(schema: Any) -> Constraint:
-    """A json_schema constraint from a parsed schema (its keys kept in order: properties are generated in it)."""
+    """A json_schema constraint from a parsed schema (its keys kept in order: properties are generated in it).
+    ConstraintError for a schema that is not a JSON object, not JSON data (a set, a cycle) or nested too deeply to
+    serialize, besides :meth:`Constraint.create`'s."""
     if not isinstance(schema, dict):
         raise ConstraintError(f"a JSON Schema must be a JSON object, got {type(schema).__name__}")
-    return Constraint.create("json_schema", json.dumps(schema, ensure_ascii=False))
+    try:
+        text = json.dumps(schema, ensure_ascii=False)
+    except RecursionError:
+        raise ConstraintError("the JSON Schema is nested too deeply to serialize") from None
+    except (TypeError, ValueError) as e:  # not JSON data, or a circular reference
+        raise ConstraintError(f"the JSON Schema is not JSON data: {e}") from None
+    return Constraint.create("json_schema", text)
 
 
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for a function name
