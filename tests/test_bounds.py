@@ -23,15 +23,22 @@ import jinja2.ext
 import llguidance
 import numpy as np
 import pytest
-from pydantic import ValidationError
 from cli_helpers import cli
 from gguf_factory import CHATML, write_tiny_gguf
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from pydantic import ValidationError
 from test_reliability import detinfer, one_error_line, resealed
 
 from detinfer.api import load
 from detinfer.compute import constrain
-from detinfer.compute.constrain import MAX_CONSTRAINT_BYTES, Constraint, Guide, check_tools, json_schema_constraint, tool_call_constraint
+from detinfer.compute.constrain import (
+    MAX_CONSTRAINT_BYTES,
+    Constraint,
+    Guide,
+    check_tools,
+    json_schema_constraint,
+    tool_call_constraint,
+)
 from detinfer.compute.engine import Engine, set_threads
 from detinfer.compute.generate import OPENAI_FINISH_REASON, generate
 from detinfer.compute.sampling import Sampling

@@ -32,8 +32,8 @@ from detinfer.compute.engine import Engine
 from detinfer.errors import ManifestError, TemplateError
 from detinfer.model import sandbox
 from detinfer.model.chat import ChatTemplate
-from detinfer.model.sandbox import MAX_RENDER_BYTES, MAX_RENDER_CHARS
 from detinfer.model.gguf_file import HEADER_KEY_BYTES, INDEX_VERSION, ModelFile
+from detinfer.model.sandbox import MAX_RENDER_BYTES, MAX_RENDER_CHARS
 from detinfer.records.kvfile import load_kv, save_kv
 from detinfer.records.manifest import RunManifest, tokens_sha256, write_manifest
 from detinfer.records.session import load_session
