@@ -65,14 +65,11 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         finally:
             os.close(fd)
         os.replace(tmp, path)
-    except OSError as e:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
-        if e.errno not in _FULL:
-            raise
-        raise InputError(f"cannot write {path}: {e.strerror} ({_free(path.parent)} free in {path.parent}); "
-                         "free some space or write elsewhere") from None  # fmt: skip
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.errno in _FULL:
+            raise InputError(f"cannot write {path}: {e.strerror} ({_free(path.parent)} free in {path.parent}); "
+                             "free some space or write elsewhere") from None  # fmt: skip
         raise
     fsync_dir(path.parent)
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from gguf_factory import CHATML, write_tiny_gguf
 
 from detinfer.model.registry import DEFAULT_MODEL, ensure_model
 from detinfer.paths import detinfer_home
@@ -63,3 +64,10 @@ def real_model(request) -> tuple[str, Path, dict]:
     """(name, .gguf path, llama.cpp reference) of each real model in turn: a test using it runs once per model."""
     path_fixture, reference_fixture = REAL_MODELS[request.param]
     return request.param, request.getfixturevalue(path_fixture), request.getfixturevalue(reference_fixture)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny synthetic chat model (tests/gguf_factory.py, a ChatML template): for bad-input and bounds tests
+    that need a model, not its text."""
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny-chat") / "tiny-chat.gguf", chat_template=CHATML)

@@ -23,11 +23,10 @@ import jinja2.ext
 import llguidance
 import numpy as np
 import pytest
-from cli_helpers import cli
-from gguf_factory import CHATML, write_tiny_gguf
+from cli_helpers import cli, detinfer, one_error_line, resealed
+from gguf_factory import CHATML
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pydantic import ValidationError
-from test_reliability import detinfer, one_error_line, resealed
 
 from detinfer.api import load
 from detinfer.compute import constrain
@@ -61,9 +60,6 @@ def home(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("home")
 
 
-@pytest.fixture(scope="module")
-def tiny_chat(tmp_path_factory) -> Path:
-    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny-chat.gguf", chat_template=CHATML)
 
 
 def _tokens(engine, text: str, constraint: Constraint | None, max_tokens: int = 24, stop=()) -> tuple[list[int], str, str]:

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cli_helpers import cli
+from cli_helpers import bad_input_row, cli, detinfer, one_error_line, resealed
 from fastapi.testclient import TestClient
-from gguf_factory import CHATML, write_tiny_gguf
+from gguf_factory import CHATML
 
 from detinfer.compute.engine import Engine
 from detinfer.errors import ManifestError, TemplateError
@@ -35,7 +35,7 @@ from detinfer.model.chat import ChatTemplate
 from detinfer.model.gguf_file import HEADER_KEY_BYTES, INDEX_VERSION, ModelFile
 from detinfer.model.sandbox import MAX_RENDER_BYTES, MAX_RENDER_CHARS
 from detinfer.records.kvfile import load_kv, save_kv
-from detinfer.records.manifest import RunManifest, tokens_sha256, write_manifest
+from detinfer.records.manifest import tokens_sha256
 from detinfer.records.session import load_session
 from detinfer.serve.app import create_app
 from detinfer.serve.serving import ServerSettings
@@ -43,31 +43,10 @@ from detinfer.serve.serving import ServerSettings
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def one_error_line(result, *needles: str, exit_code: int = 2) -> str:
-    """The CLI failed with ``exit_code``, no traceback, one ``error:`` line (the last) holding ``needles``."""
-    output = result.stderr if hasattr(result, "exit_code") else result.stderr
-    code = result.exit_code if hasattr(result, "exit_code") else result.returncode
-    assert "Traceback" not in output, output
-    assert code == exit_code, output
-    errors = [line for line in output.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and output.rstrip("\n").splitlines()[-1] == errors[0], output
-    for needle in needles:
-        assert needle in errors[0], errors[0]
-    return errors[0]
 
 
-def bad_input_row(result, *needles: str) -> str:
-    """``replay`` / ``verify`` reported a file as bad input: exit 2, no traceback, the reason in the output."""
-    assert "Traceback" not in result.output and result.exit_code == 2, result.output
-    assert "bad input" in result.stdout and all(n in result.output for n in needles), result.output
-    return result.output
 
 
-def detinfer(home: Path, *args, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
-    """``detinfer ARGS`` in a subprocess (for inputs that would hang an in-process run if a check regressed)."""
-    env = dict(os.environ, DETINFER_HOME=str(home), COLUMNS="200")
-    return subprocess.run([sys.executable, "-m", "detinfer.cli", *map(str, args)], env=env, capture_output=True,
-                          text=True, timeout=timeout, **kw)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +54,6 @@ def home(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("home")
 
 
-@pytest.fixture(scope="module")
-def tiny_chat(tmp_path_factory) -> Path:
-    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny-chat.gguf", chat_template=CHATML)
 
 
 @pytest.fixture(scope="module")
@@ -172,10 +148,6 @@ def file_template_manifest(home: Path, tiny_chat: Path, tmp_path_factory) -> dic
     return json.loads((tmp / "run.json").read_text())
 
 
-def resealed(data: dict, path: Path) -> Path:
-    """``data`` written as a manifest whose section hashes were recomputed (what anyone can do)."""
-    write_manifest(RunManifest.model_validate(data), path)
-    return path
 
 
 def test_recorded_looping_template_fails_run_manifest_and_verify_as_bad_input(home, tiny_chat, file_template_manifest, tmp_path):

@@ -58,17 +58,18 @@ class Record:
 
     @property
     def n_ctx(self) -> int:
-        b = self.body
-        if isinstance(b, (RunManifest, SessionRecord)):
-            return b.engine.n_ctx
-        return self.golden.n_ctx if self.golden is not None else int(b.settings["n_ctx"])
+        return int(self._engine_setting("n_ctx"))
 
     @property
     def kv_type(self) -> str:
+        return str(self._engine_setting("kv_type"))
+
+    def _engine_setting(self, key: str) -> Any:
+        """An engine setting the record was computed with: its engine section, else its (checked) settings."""
         b = self.body
         if isinstance(b, (RunManifest, SessionRecord)):
-            return b.engine.kv_type
-        return self.golden.kv_type if self.golden is not None else str(b.settings["kv_type"])
+            return getattr(b.engine, key)
+        return getattr(self.golden, key) if self.golden is not None else b.settings[key]
 
     @property
     def model_names(self) -> list[str]:
