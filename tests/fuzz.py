@@ -598,7 +598,7 @@ def _post(corpus: Corpus, url: str, body: bytes) -> None:
         from detinfer.serve.app import create_app
         from detinfer.serve.serving import ServerSettings
 
-        corpus._client = TestClient(create_app(corpus.engine, ServerSettings(max_queue=4, threads=1, max_body_bytes=1 << 16)))
+        corpus._client = TestClient(create_app(corpus.engine, ServerSettings(max_queue=4, threads=1, max_body_bytes=1 << 16, aliases=("x",))))
         corpus._client.__enter__()  # starts the decode worker (the app's lifespan); lives as long as the process
     r = corpus._client.post(url, content=body, headers={"Content-Type": "application/json"})
     if 400 <= r.status_code < 500:

@@ -73,7 +73,7 @@ def base_url(model_path, record_dir):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "detinfer.cli", "serve", "--model", str(model_path), "--port", str(port), "--threads", "1",
-           "--ctx", "2048", "--chat-template", "chatml-tools", "--record", str(record_dir)]
+           "--ctx", "2048", "--chat-template", "chatml-tools", "--record", str(record_dir), "--alias", "smollm2"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -319,7 +319,7 @@ def few_shot_chat() -> list[dict]:
 
 def test_streamed_tool_calls_equal_the_response_and_markup_is_never_content(base_url):
     client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
-    kw = dict(model="x", messages=few_shot_chat(), tools=[{"type": "function", "function": f} for f in FUNCTIONS],
+    kw = dict(model="smollm2", messages=few_shot_chat(), tools=[{"type": "function", "function": f} for f in FUNCTIONS],
               temperature=0, max_tokens=MAX_TOKENS)  # fmt: skip
     r = client.chat.completions.create(**kw)
     assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
@@ -346,7 +346,7 @@ def test_responses_stream_and_previous_response_id(base_url):
             items.append({"type": "function_call_output", "call_id": m["tool_call_id"], "output": m["content"]})
         else:
             items.append({"role": m["role"], "content": m["content"]})
-    kw = dict(model="x", instructions=SYSTEM, tools=[dict(f, type="function") for f in FUNCTIONS], temperature=0,
+    kw = dict(model="smollm2", instructions=SYSTEM, tools=[dict(f, type="function") for f in FUNCTIONS], temperature=0,
               max_output_tokens=MAX_TOKENS)  # fmt: skip
     first = client.responses.create(input=items, **kw)
     assert [(o.type, o.name, json.loads(o.arguments)) for o in first.output] == [("function_call", *CALLS[0])]

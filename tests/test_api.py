@@ -141,7 +141,7 @@ def test_the_served_model_answers_as_the_api(llm: detinfer.LLM, model_path: Path
                 assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() is not None else "timeout"
                 time.sleep(0.5)
         messages = [{"role": "user", "content": "Name three primary colors."}]
-        reply = client.chat.completions.create(model="x", messages=messages, temperature=0.7, top_p=0.9, seed=42, max_tokens=12)
+        reply = client.chat.completions.create(model=model_path.name, messages=messages, temperature=0.7, top_p=0.9, seed=42, max_tokens=12)
         ours = ChatCompletion.model_validate(llm.chat(messages, temperature=0.7, top_p=0.9, seed=42, max_tokens=12).to_openai())
         assert reply.choices[0].message.content == ours.choices[0].message.content
         assert reply.usage.model_dump(include={"prompt_tokens", "completion_tokens"}) == ours.usage.model_dump(include={"prompt_tokens", "completion_tokens"})

@@ -169,7 +169,7 @@ def test_recorded_looping_template_fails_run_manifest_and_verify_as_bad_input(ho
 
 def test_server_frees_slots_after_looping_templates(tiny_engine: Engine):
     template = ChatTemplate(NESTED_STRING_LOOPS, origin="file", name="loop.jinja")
-    app = create_app(tiny_engine, ServerSettings(max_queue=2, max_inflight=1, threads=1, chat_template=template))
+    app = create_app(tiny_engine, ServerSettings(aliases=("m",), max_queue=2, max_inflight=1, threads=1, chat_template=template))
     body = {"model": "m", "messages": MESSAGES, "max_tokens": 1}
     with TestClient(app) as client:
         statuses: list[int] = []
@@ -206,7 +206,7 @@ def test_deep_or_huge_json_files_are_bad_input(home: Path, tiny_chat: Path, tmp_
 
 
 def test_deep_or_huge_http_bodies_are_400_in_openai_shape(tiny_engine: Engine):
-    with TestClient(create_app(tiny_engine, ServerSettings(threads=1))) as client:
+    with TestClient(create_app(tiny_engine, ServerSettings(aliases=("m",), threads=1))) as client:
         for body in ('{"model": "m", "prompt": ' + DEEP[:2000] + "}", '{"model": "m", "prompt": "hi", "seed": ' + "9" * 5000 + "}"):
             r = client.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
             assert r.status_code == 400, r.text
@@ -313,7 +313,7 @@ def test_resealed_manifest_with_huge_token_id_is_bad_input(home, tiny_chat, file
 
 def test_lone_surrogate_is_400_before_generating_and_never_poisons_the_recorder(tiny_engine: Engine, tmp_path: Path):
     record = tmp_path / "sessions"
-    app = create_app(tiny_engine, ServerSettings(threads=1, record_dir=record))
+    app = create_app(tiny_engine, ServerSettings(aliases=("m",), threads=1, record_dir=record))
     prompt = tiny_engine.tokenizer.encode("hi there")
     with TestClient(app) as client:
         for stream in ("false", "true"):
@@ -479,7 +479,7 @@ def test_forged_kv_snapshot_is_a_cache_miss(home: Path, tiny_chat: Path, session
 
 
 def test_unknown_endpoints_and_methods_answer_in_openai_shape(tiny_engine: Engine):
-    with TestClient(create_app(tiny_engine, ServerSettings(threads=1))) as client:
+    with TestClient(create_app(tiny_engine, ServerSettings(aliases=("m",), threads=1))) as client:
         for method, url, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/chat/completions", 405), ("DELETE", "/health", 405)):
             r = client.request(method, url)
             assert r.status_code == status and set(r.json()) == {"error"}, r.text
@@ -487,7 +487,7 @@ def test_unknown_endpoints_and_methods_answer_in_openai_shape(tiny_engine: Engin
 
 
 def test_stream_options_without_stream_is_400(tiny_engine: Engine):
-    with TestClient(create_app(tiny_engine, ServerSettings(threads=1))) as client:
+    with TestClient(create_app(tiny_engine, ServerSettings(aliases=("m",), threads=1))) as client:
         body = {"model": "m", "prompt": "hi", "max_tokens": 1, "stream_options": {"include_usage": True}}
         r = client.post("/v1/completions", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
@@ -496,7 +496,7 @@ def test_stream_options_without_stream_is_400(tiny_engine: Engine):
 
 def test_api_key_is_compared_as_utf8_bytes(tiny_engine: Engine):
     key = "clé-ключ"
-    with TestClient(create_app(tiny_engine, ServerSettings(threads=1, api_key=key))) as client:
+    with TestClient(create_app(tiny_engine, ServerSettings(aliases=("m",), threads=1, api_key=key))) as client:
         def status(raw: bytes) -> int:
             return client.get("/v1/models", headers=[(b"authorization", b"Bearer " + raw)]).status_code
 
@@ -515,7 +515,7 @@ def start_server(home: Path, model: Path, *extra) -> tuple[subprocess.Popen, str
     port = free_port()
     env = dict(os.environ, DETINFER_HOME=str(home))
     proc = subprocess.Popen([sys.executable, "-m", "detinfer.cli", "serve", "--model", str(model), "--port", str(port),
-                             "--threads", "1", *map(str, extra)], env=env, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                             "--threads", "1", "--alias", "m", *map(str, extra)], env=env, stderr=subprocess.PIPE, text=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:

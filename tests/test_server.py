@@ -30,6 +30,7 @@ from detinfer.serve.app import create_app  # noqa: E402
 from detinfer.serve.serving import ServerSettings
 
 KEY = "test-key-123"
+MODEL = "smollm2-135m-instruct-q4_1"  # the registry name: any other model name is a 404
 SYSTEM = "You are a terse assistant."
 
 
@@ -82,15 +83,32 @@ def chat(client, content: str, **kw):
     kw.setdefault("seed", 7)
     kw.setdefault("max_tokens", 12)
     raw = client.chat.completions.with_raw_response.create(
-        model="x", messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}], **kw)
+        model=MODEL, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}], **kw)
     return raw.parse(), raw.headers
 
 
-def test_models_and_health(server, client):
+def test_models_and_health(server, client, model_path):
     ids = [m.id for m in client.models.list().data]
-    assert ids == ["smollm2-135m-instruct-q4_1"]
+    assert ids == [MODEL, model_path.name, model_path.stem]
     h = httpx.get(server.url + "/health").json()
     assert h["status"] == "ok" and h["admitted"] == 0
+
+
+def test_a_model_the_server_does_not_serve_is_a_404_on_every_endpoint(server, client, model_path):
+    """Any listed name (registry name, file name, stem) is served; another name is a 404 model_not_found in
+    OpenAI's shape, never silently answered by the loaded model."""
+    for name in (MODEL, model_path.name, model_path.stem):
+        assert client.completions.create(model=name, prompt="Hi", max_tokens=1).usage.completion_tokens == 1
+    calls = [lambda m: client.chat.completions.create(model=m, messages=[{"role": "user", "content": "hi"}], max_tokens=1),
+             lambda m: client.completions.create(model=m, prompt="hi", max_tokens=1),
+             lambda m: client.responses.create(model=m, input="hi", max_output_tokens=1),
+             lambda m: client.chat.completions.create(model=m, messages=[{"role": "user", "content": "hi"}], max_tokens=1, stream=True)]
+    for call in calls:
+        with pytest.raises(openai.NotFoundError) as info:
+            call("gpt-4o")
+        err = info.value.response.json()["error"]
+        assert err["code"] == "model_not_found" and err["param"] == "model" and "gpt-4o" in err["message"], err
+    assert httpx.get(server.url + "/health").json()["admitted"] == 0
 
 
 def test_chat_stream_equals_nonstream_and_seed_repeats(client):
@@ -104,7 +122,7 @@ def test_chat_stream_equals_nonstream_and_seed_repeats(client):
     assert u1.prompt_tokens == u2.prompt_tokens and u1.total_tokens == u1.prompt_tokens + u1.completion_tokens
     assert u2.prompt_tokens_details.cached_tokens == u2.prompt_tokens - 1  # all but the last prompt token reused
     chunks = list(client.chat.completions.create(
-        model="x", messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a color."}],
+        model=MODEL, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a color."}],
         temperature=0.8, seed=7, max_tokens=12, stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == r1.choices[0].message.content
@@ -116,7 +134,7 @@ def test_chat_stream_equals_nonstream_and_seed_repeats(client):
 
 
 def test_completions_stream_equals_nonstream(client):
-    kw = dict(model="x", prompt="The capital of France is", temperature=0, max_tokens=8, seed=1)
+    kw = dict(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=8, seed=1)
     raw = client.completions.with_raw_response.create(**kw)
     r = raw.parse()
     assert r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "length"
@@ -126,14 +144,14 @@ def test_completions_stream_equals_nonstream(client):
 
 def test_tool_round_trip_messages_accepted_as_openai_clients_send_them(client):
     """A tool round trip, ``refusal: null``, ``name``, the developer role and content-part lists are accepted."""
-    r = client.chat.completions.create(model="x", temperature=0, max_tokens=4, messages=[
+    r = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=4, messages=[
         {"role": "developer", "content": [{"type": "text", "text": "You are "}, {"type": "text", "text": "terse."}]},
         {"role": "user", "content": "What is 2+3?", "name": "ann"},
         {"role": "assistant", "content": None, "refusal": None, "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{\"a\": 2, \"b\": 3}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "5"}])
     assert r.usage.completion_tokens >= 1
-    same = client.chat.completions.create(model="x", temperature=0, max_tokens=4, messages=[
+    same = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=4, messages=[
         {"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2+3?", "name": "ann"},
         {"role": "assistant", "content": "", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{\"a\": 2, \"b\": 3}"}}]},
@@ -145,11 +163,11 @@ def test_tools_on_a_template_without_tool_support_are_400_naming_the_fix(client)
     """SmolLM2's own template ignores ``tools``: the request is refused, never served with the tools dropped."""
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}]
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="x", max_tokens=2, tools=tools, messages=[{"role": "user", "content": "2+3?"}])
+        client.chat.completions.create(model=MODEL, max_tokens=2, tools=tools, messages=[{"role": "user", "content": "2+3?"}])
     err = info.value.response.json()["error"]
     assert err["param"] == "tools" and "--chat-template chatml-tools" in err["message"], err
     with pytest.raises(openai.BadRequestError) as info:  # what cannot be honoured is named
-        client.chat.completions.create(model="x", max_tokens=2, messages=[{"role": "user", "content": [
+        client.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": [
             {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}])
     assert info.value.response.json()["error"]["param"] == "messages.0.content.1"
 
@@ -165,12 +183,18 @@ def test_tools_on_a_template_without_tool_support_are_400_naming_the_fix(client)
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     ({"extra_body": {"logprobs": 3}}, "logprobs"),
-    ({"extra_body": {"top_k": 5}}, "top_k"),
+    ({"extra_body": {"top_k": -1}}, "top_k"),
+    ({"extra_body": {"top_k": 2.5}}, "top_k"),
+    ({"extra_body": {"min_p": 1.0}}, "min_p"),
+    ({"extra_body": {"repeat_penalty": 0}}, "repeat_penalty"),
+    ({"extra_body": {"repeat_last_n": -1}}, "repeat_last_n"),
+    ({"extra_body": {"ignore_eos": "yes"}}, "ignore_eos"),
+    ({"extra_body": {"ignore_eos": True}, "response_format": {"type": "json_object"}}, "ignore_eos"),
     ({"extra_body": {"repetition_penalty": 1.1}}, "repetition_penalty"),
 ])
 def test_bad_parameters_are_400(client, extra, param):
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=2, **extra)
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, **extra)
     err = info.value.response.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == param, err
 
@@ -178,10 +202,56 @@ def test_bad_parameters_are_400(client, extra, param):
 @pytest.mark.parametrize("value", [6, -1, True])
 def test_bad_completion_logprobs_are_400(client, value):
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model="x", prompt="hi", max_tokens=2, logprobs=value)
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, logprobs=value)
     err = info.value.response.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == "logprobs", err
 
+
+
+EXTENSIONS = dict(top_k=3, min_p=0.05, repeat_penalty=1.3, repeat_last_n=16, ignore_eos=True)
+
+
+def test_llamacpp_sampling_extensions_mean_what_they_mean_to_detinfer_run(server, engine, record_dir):
+    """top_k, min_p, repeat_penalty, repeat_last_n and ignore_eos on completions, chat and Responses give the tokens
+    `detinfer run` gives with the same Sampling, and are recorded; without them the output differs (control)."""
+    from detinfer.compute.sampling import Sampling
+    from detinfer.records.run import build_prompt, execute
+
+    kw = dict(model=MODEL, temperature=0.9, seed=5, max_tokens=24)
+    sampling = Sampling(temperature=0.9, seed=5, max_tokens=24, top_k=3, min_p=0.05, repetition_penalty=1.3,
+                        repeat_last_n=16, ignore_eos=True)  # fmt: skip
+    plain = httpx.post(server.url + "/v1/completions", json=dict(kw, prompt="The capital of France is"), timeout=60)
+    comp = httpx.post(server.url + "/v1/completions", json=dict(kw, prompt="The capital of France is", **EXTENSIONS), timeout=60)
+    ref = execute(engine, build_prompt(engine, text="The capital of France is"), sampling)
+    assert comp.status_code == 200 and comp.json()["choices"][0]["text"] == ref.output.text
+    assert comp.headers["x-detinfer-output-sha256"] == ref.output.tokens_sha256
+    assert plain.headers["x-detinfer-output-sha256"] != comp.headers["x-detinfer-output-sha256"]  # the control
+    messages = [{"role": "user", "content": "Name a color and say why."}]
+    chat_ = httpx.post(server.url + "/v1/chat/completions", json=dict(kw, messages=messages, **EXTENSIONS), timeout=60)
+    ref = execute(engine, build_prompt(engine, messages=messages, chat=True), sampling)
+    assert chat_.json()["choices"][0]["message"]["content"] == ref.output.text
+    resp = httpx.post(server.url + "/v1/responses", json=dict(model=MODEL, temperature=0.9, max_output_tokens=24,
+                                                                input=messages, **EXTENSIONS), timeout=60)  # fmt: skip
+    assert resp.status_code == 200, resp.text
+    ref = execute(engine, build_prompt(engine, messages=messages, chat=True), sampling.model_copy(update={"seed": 0}))
+    assert resp.json()["output"][0]["content"][0]["text"] == ref.output.text
+    recorded = [t.sampling for p in record_dir.glob("session-*.json") for t in load_session(p).turns]
+    assert sampling.model_dump() in recorded
+
+
+def test_responses_status_is_consistent_on_the_response_and_its_items(client):
+    """Cut by max_output_tokens: the response and its message item say incomplete, streamed or not; a reply that
+    ends by itself says completed on both (control)."""
+    cut = client.responses.create(model=MODEL, input="Write a long story about a ship.", max_output_tokens=5, temperature=0)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert [item.status for item in cut.output] == ["incomplete"]
+    events = list(client.responses.create(model=MODEL, input="Write a long story about a ship.", max_output_tokens=5,
+                                          temperature=0, stream=True))  # fmt: skip
+    assert events[-1].type == "response.incomplete" and events[-1].response.output[0].status == "incomplete"
+    done = [e.item.status for e in events if e.type == "response.output_item.done"]
+    assert done == ["incomplete"] and events[-1].response.output[0].content[0].text == cut.output[0].content[0].text
+    whole = client.responses.create(model=MODEL, input="Say hi.", max_output_tokens=64, temperature=0)
+    assert whole.status == "completed" and whole.incomplete_details is None and [i.status for i in whole.output] == ["completed"]
 
 # --------------------------------------------------------------------------------------------- logprobs
 
@@ -209,11 +279,11 @@ def _chat_logprobs(client, content, stream=False, **kw):
     kw = dict(dict(temperature=0.8, seed=7, max_tokens=12, logprobs=True, top_logprobs=5), **kw)
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}]
     if not stream:
-        raw = client.chat.completions.with_raw_response.create(model="x", messages=messages, **kw)
+        raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, **kw)
         return raw.parse(), raw.http_response.json()["choices"][0]["logprobs"]
     entries = []
     text = ""
-    for c in client.chat.completions.create(model="x", messages=messages, stream=True, **kw):
+    for c in client.chat.completions.create(model=MODEL, messages=messages, stream=True, **kw):
         if c.choices and c.choices[0].logprobs is not None:
             entries += [e.model_dump() for e in c.choices[0].logprobs.content]
         if c.choices:
@@ -269,7 +339,7 @@ def test_chat_greedy_token_is_top1_of_top20(client):
 
 
 def test_completions_logprobs(client):
-    kw = dict(model="x", prompt="The capital of France is", temperature=0.8, max_tokens=8, seed=1, logprobs=3)
+    kw = dict(model=MODEL, prompt="The capital of France is", temperature=0.8, max_tokens=8, seed=1, logprobs=3)
     raw = client.completions.with_raw_response.create(**kw)
     r = raw.parse()
     lp = raw.http_response.json()["choices"][0]["logprobs"]
@@ -298,7 +368,7 @@ def test_completions_logprobs(client):
 
 def test_prompt_too_long_and_huge_body(server, client):
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model="x", prompt="hello " * 1100, max_tokens=2)
+        client.completions.create(model=MODEL, prompt="hello " * 1100, max_tokens=2)
     assert "context" in info.value.response.json()["error"]["message"]
     r = httpx.post(server.url + "/v1/chat/completions", timeout=30,
                    content=b'{"model": "x", "messages": [{"role": "user", "content": "' + b"a" * (2 << 20) + b'"}]}')
@@ -319,7 +389,7 @@ def test_api_key_required(engine):
 
 def test_disconnect_frees_slot(server, client):
     with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=30, json={
-            "model": "x", "messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 400,
+            "model": MODEL, "messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 400,
             "temperature": 0, "stream": True}) as r:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(3)]
@@ -366,7 +436,7 @@ def test_recorded_conversation_replays(server, client, engine, record_dir):
     messages = [{"role": "system", "content": "You are Bob, a recorded assistant."}]
     for question in ("What is 2 + 3?", "And times 4?", "Thanks."):
         messages.append({"role": "user", "content": question})
-        r = client.chat.completions.create(model="x", messages=messages, temperature=0.7, seed=11, max_tokens=24)
+        r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0.7, seed=11, max_tokens=24)
         messages.append({"role": "assistant", "content": r.choices[0].message.content})
     files = [p for p in record_dir.glob("session-*.json") if "recorded assistant" in p.read_text()]
     assert len(files) == 1, files
@@ -386,7 +456,7 @@ def test_recorded_conversation_replays(server, client, engine, record_dir):
 
 def test_replay_of_the_whole_recording_in_a_fresh_process(server, client, record_dir, engine):
     """Every request the server recorded replays bit for bit in another process at another thread count."""
-    client.chat.completions.create(model="x", messages=[{"role": "user", "content": "One more, recorded."}], seed=3, max_tokens=6)
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "One more, recorded."}], seed=3, max_tokens=6)
     env = dict(os.environ, NUMBA_NUM_THREADS="2")
     proc = subprocess.run([sys.executable, "-m", "detinfer.cli", "replay", str(record_dir), "--threads", "1", "--json",
                            "--model", str(engine.model_file.path)], capture_output=True, text=True, env=env, timeout=600)
@@ -406,7 +476,7 @@ def test_clients_that_never_read_are_dropped(engine, tmp_path):
     completed request was recorded and replays exactly."""
     record = tmp_path / "rec"
     running = _Running(create_app(engine, ServerSettings(max_queue=3, threads=1, record_dir=record, send_timeout=1.5)), sndbuf=8192)
-    body = json.dumps({"model": "x", "messages": [{"role": "user", "content": "Write a long story about a ship."}],
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Write a long story about a ship."}],
                        "max_tokens": 200, "temperature": 0, "stream": True, "logprobs": True, "top_logprobs": 20}).encode()
     socks = []
     try:
@@ -419,6 +489,9 @@ def test_clients_that_never_read_are_dropped(engine, tmp_path):
                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
             socks.append(s)
         deadline, health_seconds = time.monotonic() + 180, []
+        while httpx.get(running.url + "/health", timeout=10).json()["admitted"] < 3:  # every slot taken first
+            assert time.monotonic() < deadline, "the requests were never admitted"
+            time.sleep(0.05)
         while True:
             t0 = time.perf_counter()
             h = httpx.get(running.url + "/health", timeout=10).json()
@@ -438,7 +511,7 @@ def test_clients_that_never_read_are_dropped(engine, tmp_path):
             statuses.append(data.split(b" ", 2)[1])
         assert sorted(statuses) == [b"200"] * 3 + [b"429"] * 4, statuses
         c = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        done = c.chat.completions.create(model="x", messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=6, seed=1)
+        done = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=6, seed=1)
         assert done.choices[0].message.content
     finally:
         for s in socks:
@@ -463,7 +536,7 @@ def test_chat_template_option_for_a_model_without_one(gemma_path, tmp_path):
     try:
         c = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         with pytest.raises(openai.BadRequestError) as info:
-            c.chat.completions.create(model="x", messages=messages, max_tokens=4)
+            c.chat.completions.create(model="gemma3-270m-q4_k_m", messages=messages, max_tokens=4)
         assert "--chat-template" in info.value.response.json()["error"]["message"]
     finally:
         running.stop()
@@ -471,7 +544,7 @@ def test_chat_template_option_for_a_model_without_one(gemma_path, tmp_path):
     running = _Running(create_app(engine, ServerSettings(threads=1, chat_template=gemma, record_dir=tmp_path)))
     try:
         c = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        r = c.chat.completions.create(model="x", messages=messages, max_tokens=8, temperature=0)
+        r = c.chat.completions.create(model="gemma3-270m-q4_k_m", messages=messages, max_tokens=8, temperature=0)
     finally:
         running.stop()
     ref = execute(engine, build_prompt(engine, messages=messages, chat=True, template=gemma),

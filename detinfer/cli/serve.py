@@ -47,6 +47,7 @@ def serve(
     chat_template: ChatTemplateOpt = None,
     drain: Annotated[float, typer.Option("--drain", min=0.0, help="On SIGTERM, seconds running requests may finish before they are cancelled.")] = 5.0,
     read_timeout: Annotated[float, typer.Option("--read-timeout", min=0.1, help="Seconds a client has to send a request's headers, and then its body.")] = 10.0,
+    alias: Annotated[Optional[list[str]], typer.Option("--alias", help="Another name a request's model may give (repeatable); others are a 404.")] = None,
 ) -> None:
     """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
     try:
@@ -57,7 +58,8 @@ def serve(
         compiling(llm.warm_up)
         settings = ServerSettings(max_queue=max_queue, max_inflight=max_inflight, threads=threads, cache_bytes=cache_bytes,
                                   record_dir=record_dir, api_key=api_key or None, send_timeout=send_timeout,
-                                  chat_template=llm.chat_template, drain_s=drain, body_timeout=read_timeout)
+                                  chat_template=llm.chat_template, drain_s=drain, body_timeout=read_timeout,
+                                  aliases=tuple(alias or ()))
         app_ = create_app(engine, settings)
     except DetinferError as e:
         fail(e)

@@ -66,7 +66,7 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": server.model_id, "object": "model", "created": 0, "owned_by": "detinfer"}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "detinfer"} for name in server.names]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

@@ -3,7 +3,13 @@ unsupported parameter is a 400 naming it, never silently ignored), the error sha
 
 Chat completions and completions share :class:`SamplingFields`; the Responses API has its own request
 (:class:`ResponsesRequest`) that serve/responses.py turns into a chat request. Ranges are OpenAI's where it has
-them; ``seed`` is the sampler's (0 <= seed < 2**64).
+them; ``seed`` is the sampler's (0 <= seed < 2**64). Besides OpenAI's parameters, llama.cpp server's sampling
+extensions (``top_k``, ``min_p``, ``repeat_penalty``, ``repeat_last_n``, ``ignore_eos``) mean what they mean to
+``detinfer run``.
+
+Leniency is OpenAI's: inside messages, the helper fields the official SDKs add to a reply they parsed or streamed
+(:data:`SDK_MESSAGE_FIELDS`) are accepted and ignored (never rendered or recorded), so a client can send a reply
+back as it got it; an unknown top-level parameter stays a 400.
 """
 
 from __future__ import annotations
@@ -16,15 +22,24 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import ClientDisconnect
 
-from ..compute.constrain import Constraint, json_schema_constraint, tool_call_constraint
+from ..compute.constrain import Constraint
 from ..compute.sampling import Sampling
 from ..errors import ConstraintError
 from ..fileio import parse_json
 from ..model.tool_parsers import ToolCallFormat
+from .schemas import json_object_constraint, schema_constraint, tool_call_constraint
 
 MAX_BODY_BYTES = 1 << 20
 BODY_TIMEOUT_S = 30.0
 MAX_STOP = 4  # OpenAI's limit on stop sequences
+# What the official SDKs (openai-python, openai-node) add inside a message they parsed or streamed: a message's
+# ``parsed`` (parse() / stream() with a response format), a tool call's ``index`` (kept from the stream's deltas by
+# openai-python's stream helpers) and its function's ``parsed_arguments`` (parse() / stream() / runTools() with
+# strict or parseable tools). Accepted and ignored. (OpenAI's reply fields ``refusal``, ``annotations``, ``audio``
+# and ``function_call`` are accepted as well, see Message.)
+SDK_MESSAGE_FIELDS = ("messages.N.parsed", "messages.N.tool_calls.M.index", "messages.N.tool_calls.M.function.parsed_arguments")
+# Other servers' spellings of a parameter, for the 400 that names detinfer's
+_WIRE_SPELLINGS = {"repetition_penalty": "repeat_penalty", "max_new_tokens": "max_tokens", "n_predict": "max_tokens"}
 
 
 class ApiError(Exception):
@@ -46,7 +61,10 @@ def validation_error(e: ValidationError) -> ApiError:
     err = e.errors()[0]
     param = ".".join(str(x) for x in err["loc"]) or None
     if err["type"] == "extra_forbidden":
-        return ApiError(400, f"Unrecognized or unsupported request argument supplied: {param}", param=param, code="unsupported_parameter")
+        name = str(err["loc"][-1])
+        hint = f" (this server spells it {_WIRE_SPELLINGS[name]})" if name in _WIRE_SPELLINGS else ""
+        return ApiError(400, f"Unrecognized or unsupported request argument supplied: {param}{hint}", param=param,
+                        code="unsupported_parameter")  # fmt: skip
     return ApiError(400, f"Invalid value for {param}: {err['msg']}", param=param, code="invalid_value")
 
 
@@ -57,12 +75,18 @@ class _Req(BaseModel):
 class FunctionCall(_Req):
     name: str
     arguments: str
+    parsed_arguments: Any = None  # an SDK's helper field (SDK_MESSAGE_FIELDS): ignored
 
 
 class ToolCall(_Req):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
+    index: int | None = None  # an SDK's helper field (SDK_MESSAGE_FIELDS): ignored
+
+    def template_dict(self) -> dict[str, Any]:
+        """The call as OpenAI defines it (helper fields dropped): {"id", "type", "function": {"name", "arguments"}}."""
+        return {"id": self.id, "type": self.type, "function": {"name": self.function.name, "arguments": self.function.arguments}}
 
 
 class Message(_Req):
@@ -78,6 +102,7 @@ class Message(_Req):
     function_call: None = None  # deprecated by OpenAI; clients echo it as null
     audio: None = None
     annotations: list[dict[str, Any]] | None = None  # citations of an earlier reply (output metadata, not rendered)
+    parsed: Any = None  # an SDK's helper field (SDK_MESSAGE_FIELDS): ignored
 
     def text(self, param: str) -> str | None:
         """The content as one string (text parts joined); ApiError naming ``param`` for a non-text part."""
@@ -100,7 +125,7 @@ class Message(_Req):
             raise ApiError(400, f"messages.{i}.content is required", param=f"messages.{i}.content")
         msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         if self.tool_calls:
-            msg["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+            msg["tool_calls"] = [c.template_dict() for c in self.tool_calls]
         for key in ("name", "tool_call_id"):
             if getattr(self, key) is not None:
                 msg[key] = getattr(self, key)
@@ -115,11 +140,12 @@ class JsonSchemaFormat(_Req):
     name: str
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None  # accepted; the schema is enforced either way
+    strict: bool | None = None  # true: every object schema without additionalProperties is closed (schemas.closed)
 
 
 class ResponseFormat(_Req):
-    """``{"type": "text"}`` (no constraint), ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {...}}``."""
+    """``{"type": "text"}`` (no constraint), ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {...}}``;
+    enforced as schemas.py describes (compact JSON; closed objects when ``strict``)."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -128,10 +154,11 @@ class ResponseFormat(_Req):
         if self.type == "text":
             return None
         if self.type == "json_object":
-            return Constraint.create("json_object")
+            return json_object_constraint()
         if self.json_schema is None:
             raise ApiError(400, "response_format of type json_schema needs a json_schema object", param="response_format.json_schema")
-        return json_schema_constraint(self.json_schema.schema_ if self.json_schema.schema_ is not None else {})
+        schema = self.json_schema.schema_ if self.json_schema.schema_ is not None else {}
+        return schema_constraint(schema, strict=bool(self.json_schema.strict))
 
 
 class FunctionName(_Req):
@@ -144,9 +171,10 @@ class NamedToolChoice(_Req):
 
 
 class SamplingFields(_Req):
-    """Parameters shared by both endpoints. Ranges are OpenAI's; seed is the sampler's (0 <= seed < 2**64)."""
+    """Parameters shared by both endpoints. Ranges are OpenAI's; seed is the sampler's (0 <= seed < 2**64); the
+    llama.cpp extensions are checked by :class:`Sampling` (its ranges, named by their wire names)."""
 
-    model: str  # informative: the server serves one model and never resolves this as a name or path
+    model: str  # one of the server's names (Server.names), else a 404; never resolved as a path
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     max_tokens: int | None = Field(None, ge=1)
@@ -158,6 +186,12 @@ class SamplingFields(_Req):
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    # llama.cpp server's sampling extensions, with detinfer run's meaning (Sampling)
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None  # Sampling.repetition_penalty
+    repeat_last_n: int | None = None
+    ignore_eos: bool | None = None
 
     def check(self) -> None:
         """Reject what the engine cannot do exactly, naming the parameter (never silently ignored)."""
@@ -172,12 +206,26 @@ class SamplingFields(_Req):
             raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options", code="invalid_value")
 
     def sampling(self, max_tokens: int) -> Sampling:
-        """The one mapping from OpenAI's fields onto detinfer's :class:`Sampling`, with OpenAI's defaults
-        (temperature 1, top_p 1); ``seed`` defaults to 0 (OpenAI has none). ``max_tokens``: the endpoint's limit."""
+        """The one mapping from OpenAI's fields (and llama.cpp's extensions) onto detinfer's :class:`Sampling`, with
+        OpenAI's defaults (temperature 1, top_p 1) and ``detinfer run``'s for the extensions; ``seed`` defaults to 0
+        (OpenAI has none). ``max_tokens``: the endpoint's limit. ApiError 400 naming the wire parameter if a value is
+        out of Sampling's range."""
         stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
-        return Sampling.create(temperature=1.0 if self.temperature is None else float(self.temperature),
-                        top_p=1.0 if self.top_p is None else float(self.top_p), seed=self.seed or 0,
-                        max_tokens=max_tokens, stop=stop)  # fmt: skip
+        extensions = {field: getattr(self, wire) for wire, field in SAMPLING_EXTENSIONS.items() if getattr(self, wire) is not None}
+        try:
+            return Sampling(temperature=1.0 if self.temperature is None else float(self.temperature),
+                            top_p=1.0 if self.top_p is None else float(self.top_p), seed=self.seed or 0,
+                            max_tokens=max_tokens, stop=stop, **extensions)  # fmt: skip
+        except ValidationError as e:
+            err = e.errors()[0]
+            field = str(err["loc"][0]) if err["loc"] else "?"
+            param = {f: w for w, f in SAMPLING_EXTENSIONS.items()}.get(field, field)
+            raise ApiError(400, f"Invalid value for {param}: {err['msg']}", param=param, code="invalid_value") from None
+
+
+# wire name -> Sampling field of the llama.cpp server extensions
+SAMPLING_EXTENSIONS = {"top_k": "top_k", "min_p": "min_p", "repeat_penalty": "repetition_penalty",
+                       "repeat_last_n": "repeat_last_n", "ignore_eos": "ignore_eos"}  # fmt: skip
 
 
 class FunctionDef(_Req):
@@ -216,16 +264,16 @@ class ChatRequest(SamplingFields):
         return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
     def constraint(self, fmt: ToolCallFormat | None) -> Constraint | None:
-        """The constraint this request asks for: one tool call in the template's call format ``fmt`` for tool_choice
-        required / named, else the response_format's; ApiError 400 naming the parameter if it is invalid."""
+        """The constraint this request asks for (as enforced, see schemas.py): one tool call in the template's call
+        format ``fmt`` for tool_choice required / named, else the response_format's; ApiError 400 naming the
+        parameter if it is invalid."""
         param = "tool_choice" if self.forces_tool_call else "response_format"
         try:
             if self.forces_tool_call:
                 if not self.tools:
                     raise ConstraintError(f"tool_choice {self.tool_choice!r} needs tools")
                 name = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
-                tools = [t.model_dump(exclude_none=True) for t in self.tools]
-                return tool_call_constraint(tools, name, prefix=fmt.prefix, suffix=fmt.suffix, arguments_key=fmt.arguments_key)
+                return tool_call_constraint([t.function.model_dump(exclude_none=True) for t in self.tools], name, fmt)
             return self.response_format.constraint() if self.response_format is not None else None
         except ConstraintError as e:
             raise ApiError(400, str(e), param=param, code="invalid_value") from None
@@ -261,7 +309,23 @@ class FunctionTool(_Req):
 
 
 class TextFormat(_Req):
-    type: Literal["text"]
+    """Responses' ``text.format``: ``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema",
+    "name", "schema", "strict", "description"}`` (flat, unlike chat's response_format), enforced as chat's."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    def response_format(self) -> dict[str, Any]:
+        """The equivalent chat ``response_format``."""
+        if self.type != "json_schema":
+            return {"type": self.type}
+        if self.name is None:
+            raise ApiError(400, "text.format of type json_schema needs a name", param="text.format.name", code="invalid_value")
+        fields = {"name": self.name, "description": self.description, "schema": self.schema_, "strict": self.strict}
+        return {"type": "json_schema", "json_schema": {k: v for k, v in fields.items() if v is not None}}
 
 
 class TextOptions(_Req):
@@ -296,6 +360,12 @@ class ResponsesRequest(_Req):
     truncation: Literal["disabled"] | None = None
     text: TextOptions | None = None
     user: str | None = None
+    # llama.cpp server's sampling extensions, as on chat completions
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+    ignore_eos: bool | None = None
 
 
 async def read_json(request: Request, limit: int, timeout: float = BODY_TIMEOUT_S) -> dict:

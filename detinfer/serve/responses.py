@@ -6,7 +6,11 @@ its flat function tools chat ``tools``; the prompt is rendered, generated, recor
 completion's. ``previous_response_id`` names an earlier response of this server: its conversation (input and reply,
 without its instructions; kept in memory for the last ``MAX_REMEMBERED`` responses) comes before the new input. Output items are the
 reply's text (a ``message``) and its calls (``function_call`` items); ids derive from the prompt and sampling,
-never random. Streaming sends the Responses event sequence (``response.created`` ... ``response.completed``).
+never random. Streaming sends the Responses event sequence (``response.created`` ... ``response.completed``, or
+``response.incomplete``). ``text.format`` (json_schema, json_object) is chat's ``response_format``, enforced, recorded
+and replayed the same way. A reply cut by ``max_output_tokens`` is ``incomplete`` on the response and on its message
+item, with ``incomplete_details.reason`` ``max_output_tokens``. Errors raised for the equivalent chat request name the
+Responses parameter (``text.format``, ``max_output_tokens``, ``input``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from ..model.tool_parsers import Reply
 from ..records.manifest import tokens_sha256
 from .chat_completions import ChatCompletions
 from .protocol import (
+    SAMPLING_EXTENSIONS,
     ApiError,
     ChatRequest,
     NamedFunction,
@@ -43,6 +48,20 @@ from .serving import (
 from .worker import Job
 
 MAX_REMEMBERED = 256  # responses whose conversation previous_response_id can continue
+# a chat parameter -> the Responses parameter it comes from (for the 400s of the equivalent chat request)
+_PARAMS = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens", "messages": "input"}
+
+
+def _responses_error(e: ApiError) -> ApiError:
+    """``e`` with the chat parameter it names spelled as the Responses parameter it comes from."""
+    if e.param is None:
+        return e
+    head, dot, rest = e.param.partition(".")
+    if head == "messages":  # chat message indices are not input item indices (instructions, previous responses)
+        e.param = "input"
+    elif head in _PARAMS:
+        e.param = _PARAMS[head] + dot + rest
+    return e
 
 
 def _text(content: Any, param: str) -> str:
@@ -88,11 +107,17 @@ def _id(prefix: str, job: Job, i: int = 0) -> str:
     return f"{prefix}_" + hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
-def output_items(reply: Reply, job: Job) -> list[dict[str, Any]]:
-    """The Responses ``output`` of a reply: a ``message`` item for its text, a ``function_call`` item per call."""
+def _incomplete(res: GenerationResult | None) -> bool:
+    return res is not None and res.stop_reason in ("max_tokens", "length")
+
+
+def output_items(reply: Reply, job: Job, res: GenerationResult) -> list[dict[str, Any]]:
+    """The Responses ``output`` of a reply: a ``message`` item for its text (``incomplete`` when the reply was cut
+    by the token limit), a ``function_call`` item per call."""
     items: list[dict[str, Any]] = []
     if reply.content is not None:
-        items.append({"type": "message", "id": _id("msg", job), "status": "completed", "role": "assistant",
+        status = "incomplete" if _incomplete(res) else "completed"
+        items.append({"type": "message", "id": _id("msg", job), "status": status, "role": "assistant",
                       "content": [{"type": "output_text", "text": reply.content, "annotations": [], "logprobs": []}]})  # fmt: skip
     for i, call in enumerate(reply.tool_calls):
         items.append({"type": "function_call", "id": _id("fc", job, i), "call_id": call["id"], "status": "completed",
@@ -122,13 +147,16 @@ class Responses:
         choice = req.tool_choice
         if isinstance(choice, NamedFunction):
             choice = {"type": "function", "function": {"name": choice.name}}
+        fmt = req.text.format if req.text is not None else None
         chat = {"model": req.model, "messages": rendered, "tools": tools or None, "tool_choice": choice,
                 "parallel_tool_calls": req.parallel_tool_calls, "temperature": req.temperature, "top_p": req.top_p,
-                "max_completion_tokens": req.max_output_tokens, "stream": req.stream, "user": req.user}  # fmt: skip
+                "max_completion_tokens": req.max_output_tokens, "stream": req.stream, "user": req.user,
+                "response_format": fmt.response_format() if fmt is not None else None,
+                **{name: getattr(req, name) for name in SAMPLING_EXTENSIONS}}  # fmt: skip
         try:
             return ChatRequest.model_validate({k: v for k, v in chat.items() if v is not None}), messages
         except ValidationError as e:
-            raise validation_error(e) from None
+            raise _responses_error(validation_error(e)) from None
 
     def _remember(self, job: Job, messages: list[dict[str, Any]], reply: Reply) -> str:
         response_id = _id("resp", job)
@@ -140,14 +168,16 @@ class Responses:
 
     def _body(self, req: ResponsesRequest, response_id: str | None, created: int, output: list, res: GenerationResult | None,
               n_prompt: int) -> dict[str, Any]:  # fmt: skip
-        incomplete = res is not None and res.stop_reason in ("max_tokens", "length")
+        incomplete = _incomplete(res)
         status = "in_progress" if res is None else "incomplete" if incomplete else "completed"
         body = {"id": response_id, "object": "response", "created_at": created, "status": status, "model": self.server.model_id,
                 "output": output, "instructions": req.instructions, "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
                 "tool_choice": req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedFunction) else req.tool_choice or "auto", "parallel_tool_calls": req.parallel_tool_calls is not False,
                 "temperature": 1.0 if req.temperature is None else req.temperature, "top_p": 1.0 if req.top_p is None else req.top_p,
                 "max_output_tokens": req.max_output_tokens, "previous_response_id": req.previous_response_id,
-                "metadata": req.metadata or {}, "text": {"format": {"type": "text"}}, "truncation": "disabled", "error": None,
+                "metadata": req.metadata or {}, "truncation": "disabled", "error": None,
+                "text": {"format": req.text.format.model_dump(by_alias=True, exclude_none=True)
+                         if req.text is not None and req.text.format is not None else {"type": "text"}},
                 "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "store": req.store is not False,
                 "user": req.user, "usage": None}  # fmt: skip
         if res is not None:
@@ -158,18 +188,23 @@ class Responses:
 
     async def serve(self, request: Request, data: dict) -> Response:
         req = parse(ResponsesRequest, data)
-        chat, messages = self._chat_request(req)
-        chat.check()
-        job, events, release = await self.server.submit(lambda: self.chat.prepare(chat))
+        self.server.check_model(req.model)
+        try:
+            chat, messages = self._chat_request(req)
+            chat.check()
+            job, events, release = await self.server.submit(lambda: self.chat.prepare(chat))
+        except ApiError as e:
+            raise _responses_error(e) from None
         created = int(time.time())
         if req.stream:
+            if not await self.server.started(request, job, events, release):
+                return Response(status_code=499)
             return BoundedStream(self._events(req, job, events, release, messages, created), self.server.settings.send_timeout)
         done = await self.server.collect(request, job, events, release)
         if done is None:
             return Response(status_code=499)
-        res, _ = done
-        reply = job.reply(res)
-        body = self._body(req, self._remember(job, messages, reply), created, output_items(reply, job), res, len(job.prompt))
+        res, reply, _ = done
+        body = self._body(req, self._remember(job, messages, reply), created, output_items(reply, job, res), res, len(job.prompt))
         return JSONResponse(body, headers=detinfer_headers(res, job))
 
     async def _events(self, req: ResponsesRequest, job: Job, events, release, messages: list[dict[str, Any]], created: int):
@@ -212,13 +247,13 @@ class Responses:
                     for chunk in text_delta(delta) if delta else []:
                         yield chunk
                     continue
-                break
-            res: GenerationResult = payload
-            reply = job.reply(res)
+                if kind == "done":
+                    break
+            res, reply = payload
             rest = splitter.rest(reply, res.text) if splitter is not None else ""
             for chunk in text_delta(rest) if rest else []:
                 yield chunk
-            items = output_items(reply, job)
+            items = output_items(reply, job, res)
             for index, item in enumerate(items):
                 if item["type"] == "message":  # its text was streamed above
                     part = item["content"][0]

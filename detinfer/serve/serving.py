@@ -5,7 +5,10 @@ Data path of a request: auth -> body (size-limited JSON, protocol.read_json) -> 
 -> admission (a slot of ``--max-queue``, else 429) -> prepare (template + tokenize + constraint, at most
 ``--max-inflight`` at once, in threads) -> the single decode worker (worker.py) -> the endpoint's response or SSE.
 The worker never waits for a client: a stream buffers at most its own ``max_tokens`` steps, and a client that
-stops reading for ``--send-timeout`` seconds is dropped, so it cannot hold its admission slot forever.
+stops reading for ``--send-timeout`` seconds is dropped, so it cannot hold its admission slot forever. A streamed
+response starts (status 200) only when the worker takes its job, so a request refused while queued still gets its
+own status. On shutdown (:meth:`Server.begin_drain`) queued requests get 503 with Retry-After at once and running
+ones, after ``--drain`` seconds, a 503 error (a JSON body, or an SSE error event and ``data: [DONE]``).
 
 Determinism: output depends only on (prompt token ids, sampling, constraint), never on queueing, streaming or the
 prefix cache (reuse is exact, see compute/prefix_cache.py).
@@ -57,8 +60,13 @@ class ServerSettings:
     max_body_bytes: int = MAX_BODY_BYTES
     send_timeout: float = 30.0  # seconds one SSE write may wait for a client that does not read
     chat_template: ChatTemplate | None = None  # --chat-template: used instead of the model's own (recorded)
-    drain_s: float = 5.0  # on shutdown: seconds the decode worker gets to stop after its jobs are cancelled
+    drain_s: float = 5.0  # on shutdown: seconds running requests may go on before they are cancelled
     body_timeout: float = BODY_TIMEOUT_S  # seconds a client has to send the whole request body
+    aliases: tuple[str, ...] = ()  # --alias: more names a request's ``model`` may give (as vLLM's --served-model-name)
+
+
+STOP_S = 0.25  # seconds the app's shutdown waits for the decode thread (its jobs are cancelled by then)
+RETRY_AFTER = {"Retry-After": "1"}
 
 
 def numerics_spec(engine: Engine) -> str:
@@ -73,11 +81,16 @@ class Server:
     def __init__(self, engine: Engine, settings: ServerSettings):
         self.engine, self.settings = engine, settings
         self.worker = Worker(engine, threads=settings.threads, cache_bytes=settings.cache_bytes,
-                             record_dir=settings.record_dir, chat_template=settings.chat_template, drain_s=settings.drain_s)
+                             record_dir=settings.record_dir, chat_template=settings.chat_template, drain_s=STOP_S)
         self.model_id = name_for_sha256(engine.model_file.sha256) or engine.model_file.path.stem
+        path = engine.model_file.path
+        # every name a request's model may give: registry name, file name, stem, then the aliases
+        self.names = list(dict.fromkeys([self.model_id, path.name, path.stem, *settings.aliases]))
         spec = f"{engine.model_file.sha256}\n{__version__}\n{numerics_spec(engine)}"
         self.fingerprint = "fp_" + hashlib.sha256(spec.encode()).hexdigest()[:16]
         self.admitted = 0
+        self.draining = False
+        self.active: set[Job] = set()  # submitted jobs whose response is not done
         self._inflight: asyncio.Semaphore | None = None
 
     def start(self) -> None:
@@ -87,8 +100,33 @@ class Server:
     def stop(self) -> None:
         self.worker.stop()
 
+    def begin_drain(self) -> None:
+        """Shutdown has begun (SIGTERM / Ctrl-C, from listen.py): refuse new requests, answer queued ones 503 now,
+        and cancel running ones with a 503 after ``drain_s`` seconds."""
+        self.draining = True
+        for job in list(self.active):
+            if not job.started:
+                job.abort(ApiError(503, "the server is shutting down; the request was not started, retry it",
+                                   type_="server_error", code="server_shutting_down", headers=RETRY_AFTER))  # fmt: skip
+        asyncio.get_running_loop().call_later(self.settings.drain_s, self._cancel_running)
+
+    def _cancel_running(self) -> None:
+        for job in list(self.active):
+            job.abort(ApiError(503, f"the server is shutting down; the request was cancelled after the drain time of "
+                                    f"{self.settings.drain_s:g} s", type_="server_error", code="server_shutting_down",
+                               headers=RETRY_AFTER))  # fmt: skip
+
+    def check_model(self, name: str) -> None:
+        """ApiError 404 model_not_found unless ``name`` is one of :attr:`names` (never answered by another model)."""
+        if name not in self.names:
+            raise ApiError(404, f"The model {name!r} does not exist on this server; it serves {self.model_id!r}, also "
+                                f"known as {', '.join(repr(n) for n in self.names[1:])} (serve --alias NAME adds names)",
+                           param="model", code="model_not_found")  # fmt: skip
+
     # admission ------------------------------------------------------------------------------
     def admit(self) -> None:
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", type_="server_error", code="server_shutting_down", headers=RETRY_AFTER)
         if self.admitted >= self.settings.max_queue:
             raise ApiError(429, f"the server queue is full ({self.settings.max_queue} requests); retry later",
                            type_="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})  # fmt: skip
@@ -148,34 +186,65 @@ class Server:
         try:
             async with self._inflight:
                 job = await anyio.to_thread.run_sync(prepare)
+            if self.draining:
+                self.admit()  # the 503 of a server shutting down
             loop = asyncio.get_running_loop()
             events: asyncio.Queue = asyncio.Queue()
             job.emit = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)
+            self.active.add(job)
             self.worker.jobs.put(job)
         except BaseException:
             release_once()
             raise
-        return job, events, release_once
+
+        def release_job() -> None:
+            self.active.discard(job)
+            release_once()
+
+        return job, events, release_job
+
+    async def _next(self, request: Request, job: Job, events: asyncio.Queue) -> tuple[str, Any] | None:
+        """The job's next worker event; None (and the job cancelled) if the client went away meanwhile."""
+        while True:
+            try:
+                return await asyncio.wait_for(events.get(), 0.5)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    job.cancel.set()
+                    return None
+
+    async def started(self, request: Request, job: Job, events: asyncio.Queue, release: Callable[[], None]) -> bool:
+        """Wait until the worker takes ``job`` (before a stream's status line goes out): True, or False if the client
+        went away; an error before the start (a 503 while queued, say) is raised as its ApiError."""
+        try:
+            event = await self._next(request, job, events)
+        except BaseException:
+            job.cancel.set()
+            release()
+            raise
+        if event is None or event[0] == "error":
+            job.cancel.set()
+            release()
+            if event is not None:
+                raise event[1]
+            return False
+        return True
 
     async def collect(self, request: Request, job: Job, events: asyncio.Queue,
-                      release: Callable[[], None]) -> tuple[GenerationResult, list[Step]] | None:  # fmt: skip
-        """Wait for a non-streamed job: (its result, its steps), or None if the client went away (job cancelled)."""
+                      release: Callable[[], None]) -> tuple[GenerationResult, Reply, list[Step]] | None:  # fmt: skip
+        """Wait for a non-streamed job: (its result, its parsed reply, its steps), or None if the client went away
+        (job cancelled)."""
         steps: list[Step] = []
         try:
-            while True:
-                try:
-                    kind, payload = await asyncio.wait_for(events.get(), 0.5)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        job.cancel.set()
-                        return None
-                    continue
+            while (event := await self._next(request, job, events)) is not None:
+                kind, payload = event
                 if kind == "error":
                     raise payload
                 if kind == "step":
                     steps.append(payload)
                 if kind == "done":
-                    return payload, steps
+                    return payload[0], payload[1], steps
+            return None
         finally:
             job.cancel.set()
             release()
@@ -218,17 +287,19 @@ def finish_reason(reply: Reply, res: GenerationResult) -> str:
 
 async def respond(server: Server, request: Request, req: SamplingFields, endpoint: Endpoint) -> Response:
     """Serve ``req`` on ``endpoint``: a JSON response, or an SSE stream ending with ``data: [DONE]``."""
+    server.check_model(req.model)
     job, events, release = await server.submit(lambda: endpoint.prepare(req))
     meta = {"id": f"{endpoint.id_prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": server.model_id,
             "system_fingerprint": server.fingerprint}  # fmt: skip
     if req.stream:
+        if not await server.started(request, job, events, release):
+            return Response(status_code=499)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return BoundedStream(_sse(endpoint, job, events, meta, include_usage, release), server.settings.send_timeout)
     done = await server.collect(request, job, events, release)
     if done is None:
         return Response(status_code=499)
-    res, steps = done
-    reply = job.reply(res)
+    res, reply, steps = done
     choice = {"index": 0, "finish_reason": finish_reason(reply, res), "logprobs": None}
     if job.logprobs_k is not None:
         choice["logprobs"] = endpoint.logprobs(steps, 0)
@@ -261,8 +332,9 @@ async def _sse(endpoint: Endpoint, job: Job, events: asyncio.Queue, meta: dict, 
                 elif text:
                     yield chunk(endpoint.text(text))
                 continue
-            res: GenerationResult = payload
-            reply = job.reply(res)
+            if kind != "done":  # "start"
+                continue
+            res, reply = payload
             if splitter is not None and (rest := splitter.rest(reply, res.text)):
                 yield chunk(endpoint.text(rest))
             for i, call in enumerate(reply.tool_calls):

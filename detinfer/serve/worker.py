@@ -3,7 +3,8 @@
 numba's kernels and the KV cache are not shared across threads, and two thread pools on the same cores would
 slow each other many-fold, so every generation of the server runs here, in arrival order. A job's ``emit`` is
 called from this thread (thread-safe); the worker never waits for a client: a job whose client went away is
-cancelled between two steps, and its partial cache stays an exact prefix for later requests.
+cancelled between two steps, and its partial cache stays an exact prefix for later requests. The reply is parsed
+here, once, and travels with the "done" event: nothing a request contains is parsed or validated on the event loop.
 """
 
 from __future__ import annotations
@@ -21,17 +22,20 @@ from ..compute.generate import GenerationResult, generate
 from ..compute.prefix_cache import PrefixCache
 from ..compute.sampling import Sampling
 from ..errors import DetinferError
+from ..fileio import parse_json
 from ..model.chat import ChatTemplate
 from ..model.tool_parsers import Reply, ToolCallFormat
 from ..records.recorder import Exchange, Recorder
 from .protocol import ApiError
+from .schemas import ArgumentsValidator
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself (hashed by identity: Server.active)
 class Job:
     """One generation handed to the worker: the prompt's token ids and sampling, how to reach the client (``emit``
-    of ("step", Step), ("done", GenerationResult) or ("error", ApiError)), and what the reply and the recorder need.
-    ``messages`` / ``note``: what a recorded turn keeps (``chat`` False: a raw /v1/completions prompt)."""
+    of ("start", None) when the worker takes it, ("step", Step), ("done", (GenerationResult, Reply)) or
+    ("error", ApiError)), and what the reply and the recorder need. ``messages`` / ``note``: what a recorded turn
+    keeps (``chat`` False: a raw /v1/completions prompt)."""
 
     prompt: list[int]
     sampling: Sampling
@@ -44,16 +48,38 @@ class Job:
     logprobs_k: int | None = None  # None: no logprobs; else the top list's length (generate's logprobs_k)
     constraint: Constraint | None = None
     tool_format: ToolCallFormat | None = None  # None: the reply is text only
-    tools: dict[str, dict | None] = field(default_factory=dict)  # function name -> strict schema or None
+    tools: dict[str, ArgumentsValidator | None] = field(default_factory=dict)  # function name -> a strict tool's validator
     parallel_tool_calls: bool = True
     cancel: threading.Event = field(default_factory=threading.Event)
     recorded: bool | None = None  # with --record: whether the finished job's turn was written (set before "done")
+    started: bool = False  # set by the worker when it takes the job
+
+    def abort(self, error: ApiError) -> None:
+        """End the job with ``error`` for its client (queued or running: the worker skips or stops it)."""
+        self.cancel.set()
+        self.emit(("error", error))
 
     def reply(self, res: GenerationResult) -> Reply:
-        """The assistant reply of ``res``: its tool calls parsed when the request offered tools."""
+        """The assistant reply of ``res``: its tool calls parsed when the request offered tools. Markup that does not
+        parse (JSON nested past Python's recursion limit included), arguments nested deeper than the JSON inputs'
+        limit (so the conversation can be sent back) and a strict tool's arguments that do not validate leave the
+        whole text as content."""
         if self.tool_format is None:
             return Reply(res.text)
-        return self.tool_format.parse(res.text, self.tools, call_id_seed=res.kv_sha256, parallel=self.parallel_tool_calls)
+        try:  # the strict schemas are checked below, with bounded work (schemas.ArgumentsValidator)
+            reply = self.tool_format.parse(res.text, dict.fromkeys(self.tools), call_id_seed=res.kv_sha256)
+        except RecursionError:
+            return Reply(res.text)
+        for call in reply.tool_calls:
+            fn = call["function"]
+            try:
+                arguments = parse_json(fn["arguments"], ValueError, "tool call arguments", "the reply")
+            except ValueError:
+                return Reply(res.text)
+            validator = self.tools[fn["name"]]
+            if validator is not None and not validator.is_valid(arguments):
+                return Reply(res.text)
+        return reply if self.parallel_tool_calls else Reply(reply.content, reply.tool_calls[:1])
 
 
 class Worker:
@@ -72,7 +98,8 @@ class Worker:
         self.thread.start()
 
     def stop(self) -> None:
-        """Cancel the running job and every queued one, then wait at most ``drain_s`` for the thread (a daemon)."""
+        """Cancel the running job and every queued one, then wait at most ``drain_s`` for the thread (a daemon: the
+        process may exit while it finishes a step)."""
         while True:
             try:
                 job = self.jobs.get_nowait()
@@ -91,7 +118,8 @@ class Worker:
         while (job := self.jobs.get()) is not None:
             if job.cancel.is_set():
                 continue
-            self.current = job
+            self.current, job.started = job, True
+            job.emit(("start", None))
             try:
                 self._run(job, cache)
             except DetinferError as e:
@@ -111,9 +139,10 @@ class Worker:
             if job.stream or job.logprobs_k is not None:  # non-streaming logprobs are built from the same steps
                 job.emit(("step", step))
         seconds = time.perf_counter() - t0
+        reply = job.reply(res)
         if self.recorder is not None:
-            ex = Exchange(job.prompt, job.chat, job.messages, job.note, res, job.sampling, job.reply(res),
+            ex = Exchange(job.prompt, job.chat, job.messages, job.note, res, job.sampling, reply,
                           job.tool_format.name if job.tool_format else None, job.constraint, seconds, job.tool_defs,
                           job.parallel_tool_calls)  # fmt: skip
             job.recorded = self.recorder.add(ex) is not None
-        job.emit(("done", res))
+        job.emit(("done", (res, reply)))
