@@ -28,7 +28,7 @@ from .serving import Server, finite
 from .worker import Job
 
 
-def _json_object(arguments: str, param: str) -> Any:
+def arguments_object(arguments: str, param: str) -> Any:
     """Tool call arguments as the object they encode, or the text as it is when it is not JSON; ApiError 400 naming
     ``param`` for JSON nested deeper than the JSON inputs' limit (fileio.MAX_JSON_DEPTH)."""
     try:
@@ -55,7 +55,7 @@ class ChatCompletions:
         messages = [m.template_dict(i) for i, m in enumerate(req.messages)]
         for i, msg in enumerate(messages):  # HF templates expect arguments as objects (transformers' chat template docs)
             for j, call in enumerate(msg.get("tool_calls", [])):
-                call["function"]["arguments"] = _json_object(call["function"]["arguments"], f"messages.{i}.tool_calls.{j}.function.arguments")
+                call["function"]["arguments"] = arguments_object(call["function"]["arguments"], f"messages.{i}.tool_calls.{j}.function.arguments")
         validators = {t.function.name: self._validator(t.function.model_dump(exclude_none=True), i)
                       for i, t in enumerate(req.tools or []) if t.function.strict}  # fmt: skip
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None

@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from ..compute.generate import GenerationResult
 from ..model.tool_parsers import Reply
 from ..records.manifest import tokens_sha256
-from .chat_completions import ChatCompletions
+from .chat_completions import ChatCompletions, arguments_object
 from .protocol import (
     SAMPLING_EXTENSIONS,
     ApiError,
@@ -87,6 +87,8 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         if kind == "message" and item.get("role") in ("system", "developer", "user", "assistant"):
             messages.append({"role": item["role"], "content": _text(item.get("content"), f"{param}.content")})
         elif kind == "function_call":
+            if isinstance(item.get("arguments"), str):
+                arguments_object(item["arguments"], f"{param}.arguments")  # the 400 names the input item
             call = {"id": item.get("call_id"), "type": "function", "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and (last.get("tool_calls") or i > 0 and items[i - 1].get("role") == "assistant"):
