@@ -175,6 +175,23 @@ def test_deep_json_anywhere_in_a_request_is_a_400_in_openai_shape(served):
     assert _admitted(url) == 0
 
 
+@pytest.mark.parametrize("bad", ["get</tool_call>", "a b", "x" * 65, ""])
+def test_a_tool_name_that_is_not_a_function_name_is_a_400_whatever_the_tool_choice(served, bad):
+    """A tool name outside OpenAI's ``^[a-zA-Z0-9_-]{1,64}$`` (so one that could hold call markup) is a 400 naming it
+    with tool_choice auto too, where no grammar is built, on chat and on Responses; control: the valid names pass."""
+    _, url, _ = served
+    for name, status in ((bad, 400), ("get_weather-2", 200)):
+        chat = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto",
+                "tools": [{"type": "function", "function": {"name": "ok"}}, {"type": "function", "function": {"name": name}}]}  # fmt: skip
+        responses = {"model": MODEL, "max_output_tokens": 1, "input": "hi",
+                     "tools": [{"type": "function", "name": "ok"}, {"type": "function", "name": name}]}  # fmt: skip
+        for path, body, param in (("/v1/chat/completions", chat, "tools.1.function.name"), ("/v1/responses", responses, "tools.1.name")):
+            r = httpx.post(url + path, json=body, timeout=60)
+            assert r.status_code == status, r.text
+            if status == 400:
+                assert r.json()["error"]["param"] == param, r.text
+
+
 def test_a_stalled_stream_loses_its_slot_although_the_kernel_took_its_bytes(served):
     """A client that stops reading (a small receive buffer, as a slow link's) while the server's own send buffer
     could take all of the stream: the server notices that nothing is acknowledged and drops it after

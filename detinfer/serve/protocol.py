@@ -15,14 +15,14 @@ back as it got it; an unknown top-level parameter stays a 400.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import ClientDisconnect
 
-from ..compute.constrain import Constraint
+from ..compute.constrain import TOOL_NAME, Constraint
 from ..compute.sampling import Sampling
 from ..errors import ConstraintError
 from ..fileio import parse_json
@@ -228,8 +228,11 @@ SAMPLING_EXTENSIONS = {"top_k": "top_k", "min_p": "min_p", "repeat_penalty": "re
                        "repeat_last_n": "repeat_last_n", "ignore_eos": "ignore_eos"}  # fmt: skip
 
 
+FunctionName = Annotated[str, Field(pattern=f"^{TOOL_NAME.pattern}$")]  # so no tool name can hold call markup
+
+
 class FunctionDef(_Req):
-    name: str
+    name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -302,7 +305,7 @@ class CompletionRequest(SamplingFields):
 
 class FunctionTool(_Req):
     type: Literal["function"]
-    name: str
+    name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
