@@ -74,6 +74,7 @@ class Corpus:
     session: dict = field(default_factory=dict)
     script: dict = field(default_factory=dict)
     detkv: bytes = b""
+    snapshot: str = ""  # the run's token stream as a pytest snapshot stores it (canonical JSON)
     http: list[dict] = field(default_factory=list)  # valid request bodies: (path, body) as {"path": ..., "body": ...}
     engine: Any = None  # the tiny model's engine, shared by the HTTP target's app
     _client: Any = None
@@ -238,6 +239,7 @@ def build_corpus(folder: Path) -> Corpus:
     from detinfer.records.manifest import write_manifest
     from detinfer.records.run import build_prompt, execute
     from detinfer.records.session import ScriptTurn, run_session, write_session
+    from detinfer.records.tokenstream import run_stream, stream_json
 
     folder.mkdir(parents=True, exist_ok=True)
     corpus = Corpus(folder)
@@ -250,7 +252,9 @@ def build_corpus(folder: Path) -> Corpus:
     prompt = build_prompt(engine, messages=[{"role": "user", "content": "hi there"}], chat=True)
     sampling = Sampling(temperature=0.8, top_k=40, top_p=0.9, min_p=0.0, repetition_penalty=1.1, repeat_last_n=64,
                               seed=7, max_tokens=4, stop=["."], ignore_eos=False)  # fmt: skip
-    write_manifest(execute(engine, prompt, sampling), folder / "run.json")
+    run = execute(engine, prompt, sampling)
+    write_manifest(run, folder / "run.json")
+    corpus.snapshot = stream_json(run_stream(run))
     corpus.manifest = json.loads((folder / "run.json").read_text())
     turns = [ScriptTurn(messages=[{"role": "user", "content": "hi"}]), ScriptTurn(messages=[{"role": "user", "content": "the cat"}])]
     record = run_session(engine, turns, SamplingOverrides(temperature=0.7, seed=11, max_tokens=3), kv_dir=folder / "kv")
@@ -882,6 +886,61 @@ def check_constraint(corpus: Corpus, case, path: Path) -> None:
         guide.consume(min(allowed - tok.eog_ids))
 
 
+def check_snapshot(corpus: Corpus, case, path: Path) -> None:
+    """Compare the run with a (mutated) stored pytest snapshot as the plugin does (syrupy's read, then the
+    extension's diff): never an exception; a stored file that is not a token stream is reported with its reason
+    (raised here as the one-line ManifestError the report gives, so it counts as a typed refusal)."""
+    from detinfer.errors import ManifestError
+    from detinfer.integrations.snapshot import TokenStreamExtension
+
+    path.write_bytes(apply_json_ops(json.loads(corpus.snapshot), case, None))
+    ext = TokenStreamExtension()
+    stored = ext.read_snapshot_data_from_location(snapshot_location=str(path), snapshot_name="x", session_id="s")
+    lines = list(ext.diff_lines(corpus.snapshot, stored))
+    if not all(isinstance(line, str) for line in lines):
+        raise AssertionError(f"the report holds {lines!r}")
+    if lines and lines[0].endswith("rewrite it with pytest --snapshot-update"):
+        raise ManifestError(lines[0])
+
+
+SCHEMA_PARTS = (
+    '{"type": "foo"}', '{"$ref": "#"}', '{"$ref": "http://127.0.0.1:9/x.json"}', '{"$ref": "#/$defs/nope"}',
+    '{"type": "string", "pattern": "("}', '{"type": "string", "pattern": "^(((a+)+)+)+b$"}',
+    '{"type": "string", "pattern": "(a|aa)*c"}', '{"type": "string", "pattern": "(?=a)a"}', '{"type": "string", "pattern": "(a)\\\\1"}',
+    '{"type": "string", "format": "email"}', '{"type": "integer", "minimum": 1e400}', '{"enum": [1, "a", null]}',
+    '{"type": "string", "minLength": 100000000}', '{"type": "array", "minItems": 1000000000}', '{"not": {}}',
+    '{"anyOf": [{"type": "string"}, {"type": "integer"}]}', '{"oneOf": [{}, {}]}', '{"allOf": [{"type": "string"}, {"type": "integer"}]}',
+    '{"type": "object", "patternProperties": {"^(a+)+$": {"type": "integer"}}}', '{"type": "object", "additionalProperties": {"$ref": "#"}}',
+    '{"const": "x"}', '{"type": ["string", "null"]}', '{}', '[]', '1', '"x"', 'null',
+)  # fmt: skip
+
+
+def tool_schema_strategy():
+    """(parameters schema, arguments): a strict tool's parameters built from hostile parts (unknown types, recursive,
+    remote and dangling $ref, invalid, backtracking and lookaround patterns, impossible bounds) as the value of 1 to 4
+    properties, optionally nested, with arguments meant to reach the patterns (runs of "a" up to 40)."""
+    st = _st()
+    props = st.dictionaries(st.sampled_from(["s", "n", "x", "a b"]), st.sampled_from(SCHEMA_PARTS).map(json.loads), min_size=1, max_size=4)
+    whole = st.sampled_from(SCHEMA_PARTS).map(json.loads).filter(lambda v: isinstance(v, dict))  # the protocol takes objects
+    schema = st.one_of(props.map(lambda p: {"type": "object", "properties": p, "required": sorted(p)}), whole)
+    value = st.one_of(st.integers(0, 40).map(lambda n: "a" * n), st.integers(), st.none(), st.just([]), st.just({"a": "a" * 30}))
+    arguments = st.one_of(st.dictionaries(st.sampled_from(["s", "n", "x", "a b", "aaaaaaaaaaaaaaaaaaaaaaaaa"]), value, max_size=4), value)
+    return st.tuples(schema, arguments)
+
+
+def check_tool_schema(corpus: Corpus, case, path: Path) -> None:
+    """Check a strict tool as the server does at request time (ArgumentsValidator: RE2 patterns, llguidance), then
+    validate the arguments: a one-line ConstraintError, or a bool within a second of wall time (bounded work)."""
+    from detinfer.serve.schemas import ArgumentsValidator
+
+    schema, arguments = case
+    validator = ArgumentsValidator({"name": "f", "parameters": schema}, corpus.engine.tokenizer)
+    t0 = time.perf_counter()
+    valid = validator.is_valid(arguments)
+    if not isinstance(valid, bool) or time.perf_counter() - t0 > 1.0:
+        raise AssertionError(f"validation gave {valid!r} after {time.perf_counter() - t0:.2f} s")
+
+
 @dataclass(frozen=True)
 class Target:
     name: str
@@ -941,6 +1000,15 @@ TARGETS = {
                "on the tiny vocabulary + 6 masked steps: no mask allows a control token (end-of-generation ones only "
                "where the grammar accepts), or ConstraintError",
                lambda c: constraint_strategy(), check_constraint),  # fmt: skip
+        Target("snapshots", "stored pytest snapshots: the JSON edits of a token stream (types, keys, token ids, root), "
+               "truncation and bit flips -> syrupy's read and the extension's diff against the real run: a report, "
+               "never an exception; an unreadable file is reported with its reason",
+               lambda c: json_strategy(json.loads(c.snapshot)), check_snapshot),  # fmt: skip
+        Target("tool_schemas", "strict tool schemas on the server: unknown types, recursive, remote and dangling $ref, "
+               "invalid, backtracking (ReDoS) and lookaround patterns, impossible bounds, non-object schemas, nested, "
+               "with arguments that reach the patterns -> the request-time check (RE2, llguidance) and the bounded "
+               "validation of generated arguments: ConstraintError or a verdict within 1 s",
+               lambda c: tool_schema_strategy(), check_tool_schema),  # fmt: skip
     )
 }
 

@@ -28,7 +28,7 @@ from detinfer.model.sandbox import MAX_RENDER_CHARS  # noqa: E402
 
 EXAMPLES = {"gguf": 250, "manifest": 300, "session": 300, "script": 300, "detkv": 300, "template": 300, "http": 200,
             "template_loops": 40, "deep_json": 80, "special_files": 150,
-            "template_bombs": 60, "constraints": 150}
+            "template_bombs": 60, "constraints": 150, "snapshots": 150, "tool_schemas": 150}
 REPO = Path(__file__).resolve().parents[1]
 
 
