@@ -8,8 +8,10 @@ Manifests are recorded with the library (short runs at n_ctx 256) and re-execute
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -466,3 +468,37 @@ def test_compile_target_generic_vs_host(model_path: Path, gemma_path: Path):
             assert len(generic["generated"]) == 8
             assert generic == host, path.name
     print(f"compile targets: {time.perf_counter() - t0:.0f} s")
+
+
+# ------------------------------------------------------------------------------------------ read once
+
+_OPENS: list[str] | None = None  # while set, the paths every open() (and os.open) of this process names
+
+
+def _count_opens(event: str, args: tuple) -> None:
+    if _OPENS is not None and event == "open" and isinstance(args[0], (str, bytes, Path)):
+        _OPENS.append(str(Path(os.fsdecode(args[0])).resolve()))
+
+
+def test_verify_reads_each_record_once(model_path: Path, engine: Engine, recorded: Path, golden_file: Path, tmp_path: Path):
+    """verify opens each record file once, whatever its kind (manifest, golden stream, session record, session
+    snapshot): its kind is decided from the bytes of that one read. The opens are counted by an audit hook (every
+    ``open`` and ``os.open`` of the process), so no reader can hide a second read; the control is that the hook sees
+    the one read of each file at all."""
+    global _OPENS
+    from detinfer.compute.sampling import SamplingOverrides
+    from detinfer.records.session import ScriptTurn, run_session, write_session
+    from detinfer.records.tokenstream import session_stream
+
+    record = run_session(engine, [ScriptTurn(messages=[{"role": "user", "content": "Hi"}])], SamplingOverrides(max_tokens=3))
+    write_session(record, tmp_path / "session.json")
+    (tmp_path / "session-snapshot.json").write_text(stream_json(session_stream(record)))
+    files = [recorded / "greedy.json", golden_file, tmp_path / "session.json", tmp_path / "session-snapshot.json"]
+    sys.addaudithook(_count_opens)  # an audit hook cannot be removed: _OPENS switches it off
+    _OPENS = []
+    try:
+        outcomes = verify_paths(files, model=str(model_path))
+    finally:
+        opens, _OPENS = _OPENS, None
+    assert [o.status for o in outcomes] == [MATCH] * 4, [o.message for o in outcomes]
+    assert {str(f.resolve()): opens.count(str(f.resolve())) for f in files} == {str(f.resolve()): 1 for f in files}
