@@ -39,7 +39,7 @@ def engine(model_path) -> Engine:
 
 
 def serve(engine: Engine, record: Path) -> TestClient:
-    return TestClient(create_app(engine, ServerSettings(threads=1, record_dir=record, chat_template=ChatTemplate.builtin("chatml-tools"))))
+    return TestClient(create_app(engine, ServerSettings(aliases=("m",), threads=1, record_dir=record, chat_template=ChatTemplate.builtin("chatml-tools"))))
 
 
 def ask(client: TestClient, messages: list[dict], tools: list[dict], **extra) -> dict:

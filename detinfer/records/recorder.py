@@ -124,23 +124,12 @@ class Recorder:
             new_messages = ex.messages[n + 1:]
             resent = ex.messages[n] if ex.messages[n] != sess.reply else None
         kept = min(_shared(history, prompt), len(prompt) - 1)
-        return TurnRecord(
-            messages=[ChatMessage(**m) for m in new_messages],
-            sampling=ex.sampling.model_dump(),
-            appended_token_ids=prompt[kept:],
-            generated_token_ids=res.tokens,
-            text=res.text,
-            stop_reason=res.stop_reason,
-            reused_tokens=res.reused_tokens,
-            kv_sha256=res.kv_sha256,
-            logits_digests=res.digests,
+        return TurnRecord.of(
+            res, new_messages, ex.sampling.model_dump(), prompt[kept:], ex.constraint, ex.seconds,
             template_note=ex.note,
-            seconds=round(ex.seconds, 4),
             kept_tokens=kept if kept < len(history) else None,
             tool_calls=ex.reply.tool_calls or None,
             tool_call_format=ex.tool_call_format,
-            constraint=ex.constraint,
-            mask_digests=res.mask_digests if ex.constraint is not None else None,
             rendering="whole" if ex.chat else "raw",
             tools=ex.tools,
             reply_as_sent=ChatMessage(**resent) if resent is not None else None,

@@ -141,6 +141,16 @@ class TurnRecord(OmitNone, _Strict):
     reply_as_sent: ChatMessage | None = None
     parallel_tool_calls: bool | None = None
 
+    @classmethod
+    def of(cls, res: GenerationResult, messages: list[dict[str, Any]], sampling: dict[str, Any], appended: list[int],
+           constraint: Constraint | None, seconds: float, **rest: Any) -> TurnRecord:  # fmt: skip
+        """The record of a turn that generated ``res`` after appending ``appended`` (``rest``: the optional fields)."""
+        return cls(messages=[ChatMessage(**m) for m in messages], sampling=sampling, appended_token_ids=appended,
+                   generated_token_ids=res.tokens, text=res.text, stop_reason=res.stop_reason,
+                   reused_tokens=res.reused_tokens, kv_sha256=res.kv_sha256, logits_digests=res.digests,
+                   seconds=round(seconds, 4), constraint=constraint,
+                   mask_digests=res.mask_digests if constraint is not None else None, **rest)  # fmt: skip
+
 
 class SessionRecord(_Strict):
     """A recorded session. ``section_sha256`` (schema 4) holds the sha256 of each section's canonical JSON:
@@ -295,23 +305,8 @@ def run_turn(
                          prefix_cache=prefix_cache):
         if on_step:
             on_step(step)
-    record = TurnRecord(
-        messages=[ChatMessage(**m) for m in messages],
-        sampling=sampling,
-        appended_token_ids=appended,
-        generated_token_ids=res.tokens,
-        text=res.text,
-        stop_reason=res.stop_reason,
-        reused_tokens=res.reused_tokens,
-        kv_sha256=res.kv_sha256,
-        logits_digests=res.digests,
-        template_note=note,
-        seconds=round(time.perf_counter() - t0, 4),
-        kept_tokens=kept,
-        constraint=constraint,
-        mask_digests=res.mask_digests if constraint is not None else None,
-        **bound,
-    )
+    record = TurnRecord.of(res, messages, sampling, appended, constraint, time.perf_counter() - t0, template_note=note,
+                           kept_tokens=kept, **bound)
     resent = recorded.reply_as_sent.model_dump() if recorded is not None and recorded.reply_as_sent is not None else None
     conv.add_turn(messages, appended, res.tokens, res.text, tool_calls, kept, resent)
     return record
