@@ -154,6 +154,41 @@ def test_out_of_range_integers_are_bad_input_in_the_library_and_one_batch_line(h
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["ok.json"]
 
 
+def test_resume_runs_a_damaged_manifest_again(home: Path, tiny_chat: Path, tmp_path: Path):
+    """``batch --resume`` re-validates what is already written: a truncated manifest is run again and replaced by a
+    whole one, never counted as done. Control: an undamaged folder is skipped whole."""
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text("".join(json.dumps({"id": i, "prompt": "hi", "sampling": {"max_tokens": 2}}) + "\n" for i in ("a", "b")))
+    args = ("batch", batch, "--out-dir", tmp_path / "out", "--model", tiny_chat, "--ctx", "64", "--threads", "1")
+    assert cli(home, *args).exit_code == 0
+    whole = (tmp_path / "out" / "b.json").read_bytes()
+    r = cli(home, *args, "--resume")
+    assert r.exit_code == 0 and "2 skipped" in r.output, r.output
+    (tmp_path / "out" / "b.json").write_bytes(whole[: len(whole) // 2])
+    r = cli(home, *args, "--resume")
+    assert r.exit_code == 0 and "1 skipped" in r.output and "1 written" in r.output, r.output
+    assert (tmp_path / "out" / "b.json").read_bytes() == whole
+
+
+def test_junit_xml_at_a_special_path_fails_before_anything_runs(home: Path, tiny_chat: Path, tmp_path: Path):
+    """``verify --junit-xml`` at a FIFO, a symbolic link or /dev/null is one line naming the option, exit 2, before
+    any record is re-executed (no result row), and the special file is left as it was. Control: a new path gets the
+    report after the run."""
+    manifest = tmp_path / "run.json"
+    assert cli(home, "run", "--model", tiny_chat, "--prompt", "hi", "--max-tokens", "2", "--ctx", "64", "--threads", "1",
+               "--out", manifest, "--quiet").exit_code == 0  # fmt: skip
+    fifo, link = tmp_path / "fifo", tmp_path / "link.xml"
+    os.mkfifo(fifo)
+    link.symlink_to(tmp_path / "elsewhere.xml")
+    for target in (fifo, link, Path("/dev/null")):
+        r = cli(home, "verify", manifest, "--model", tiny_chat, "--junit-xml", target)
+        one_error_line(r, "--junit-xml")
+        assert "match" not in r.output, r.output
+    assert fifo.is_fifo() and link.is_symlink() and not (tmp_path / "elsewhere.xml").exists()
+    r = cli(home, "verify", manifest, "--model", tiny_chat, "--junit-xml", tmp_path / "report.xml")
+    assert r.exit_code == 0 and 'failures="0"' in (tmp_path / "report.xml").read_text(), r.output
+
+
 # ------------------------------------------------------------------------------------------ 2. template size bombs
 
 S4M = "{% set s = 'x' * 4000000 %}"
