@@ -170,7 +170,17 @@ class NamedToolChoice(_Req):
     function: FunctionName
 
 
-class SamplingFields(_Req):
+class SamplingExtensions(_Req):
+    """llama.cpp server's sampling extensions, with detinfer run's meaning (Sampling; wire names in SAMPLING_EXTENSIONS)."""
+
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None  # Sampling.repetition_penalty
+    repeat_last_n: int | None = None
+    ignore_eos: bool | None = None
+
+
+class SamplingFields(SamplingExtensions):
     """Parameters shared by both endpoints. Ranges are OpenAI's; seed is the sampler's (0 <= seed < 2**64); the
     llama.cpp extensions are checked by :class:`Sampling` (its ranges, named by their wire names)."""
 
@@ -186,12 +196,6 @@ class SamplingFields(_Req):
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    # llama.cpp server's sampling extensions, with detinfer run's meaning (Sampling)
-    top_k: int | None = None
-    min_p: float | None = None
-    repeat_penalty: float | None = None  # Sampling.repetition_penalty
-    repeat_last_n: int | None = None
-    ignore_eos: bool | None = None
 
     def check(self) -> None:
         """Reject what the engine cannot do exactly, naming the parameter (never silently ignored)."""
@@ -343,7 +347,7 @@ class NamedFunction(_Req):
     name: str
 
 
-class ResponsesRequest(_Req):
+class ResponsesRequest(SamplingExtensions):
     """The Responses parameters detinfer honours; any other is a 400 naming it (never silently ignored)."""
 
     model: str
@@ -363,12 +367,6 @@ class ResponsesRequest(_Req):
     truncation: Literal["disabled"] | None = None
     text: TextOptions | None = None
     user: str | None = None
-    # llama.cpp server's sampling extensions, as on chat completions
-    top_k: int | None = None
-    min_p: float | None = None
-    repeat_penalty: float | None = None
-    repeat_last_n: int | None = None
-    ignore_eos: bool | None = None
 
 
 async def read_json(request: Request, limit: int, timeout: float = BODY_TIMEOUT_S) -> dict:

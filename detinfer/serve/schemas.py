@@ -170,7 +170,7 @@ def _subschemas(schema: Any):
             continue
         yield s
         for key, value in s.items():
-            if key in _ONE or key == "items":
+            if key in _ONE:  # "items" among them, a schema or (Draft 7) a list of schemas
                 stack.extend(value if isinstance(value, list) else [value])
             elif key in _MANY and isinstance(value, list):
                 stack.extend(value)

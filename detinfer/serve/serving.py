@@ -69,6 +69,11 @@ STOP_S = 0.25  # seconds the app's shutdown waits for the decode thread (its job
 RETRY_AFTER = {"Retry-After": "1"}
 
 
+def _shutting_down(message: str) -> ApiError:
+    """The 503 (with Retry-After) of a request refused or cancelled because the server is shutting down."""
+    return ApiError(503, message, type_="server_error", code="server_shutting_down", headers=RETRY_AFTER)
+
+
 def numerics_spec(engine: Engine) -> str:
     """What besides the model and detinfer's version fixes the numbers (part of ``system_fingerprint``)."""
     return f"{NUMERICS};kv={engine.kv_type};rng={RNG_PERSON.decode()};weight_bits={WEIGHT_BITS};digest={DIGEST_SEED[:16]}"
@@ -106,15 +111,13 @@ class Server:
         self.draining = True
         for job in list(self.active):
             if not job.started:
-                job.abort(ApiError(503, "the server is shutting down; the request was not started, retry it",
-                                   type_="server_error", code="server_shutting_down", headers=RETRY_AFTER))  # fmt: skip
+                job.abort(_shutting_down("the server is shutting down; the request was not started, retry it"))
         asyncio.get_running_loop().call_later(self.settings.drain_s, self._cancel_running)
 
     def _cancel_running(self) -> None:
         for job in list(self.active):
-            job.abort(ApiError(503, f"the server is shutting down; the request was cancelled after the drain time of "
-                                    f"{self.settings.drain_s:g} s", type_="server_error", code="server_shutting_down",
-                               headers=RETRY_AFTER))  # fmt: skip
+            job.abort(_shutting_down(f"the server is shutting down; the request was cancelled after the drain time of "
+                                     f"{self.settings.drain_s:g} s"))  # fmt: skip
 
     def check_model(self, name: str) -> None:
         """ApiError 404 model_not_found unless ``name`` is one of :attr:`names` (never answered by another model)."""
@@ -126,10 +129,10 @@ class Server:
     # admission ------------------------------------------------------------------------------
     def admit(self) -> None:
         if self.draining:
-            raise ApiError(503, "the server is shutting down", type_="server_error", code="server_shutting_down", headers=RETRY_AFTER)
+            raise _shutting_down("the server is shutting down")
         if self.admitted >= self.settings.max_queue:
             raise ApiError(429, f"the server queue is full ({self.settings.max_queue} requests); retry later",
-                           type_="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})  # fmt: skip
+                           type_="rate_limit_error", code="queue_full", headers=RETRY_AFTER)  # fmt: skip
         self.admitted += 1
 
     def release(self) -> None:
