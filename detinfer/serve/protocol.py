@@ -232,11 +232,11 @@ SAMPLING_EXTENSIONS = {"top_k": "top_k", "min_p": "min_p", "repeat_penalty": "re
                        "repeat_last_n": "repeat_last_n", "ignore_eos": "ignore_eos"}  # fmt: skip
 
 
-FunctionName = Annotated[str, Field(pattern=f"^{TOOL_NAME.pattern}$")]  # so no tool name can hold call markup
+ToolName = Annotated[str, Field(pattern=f"^{TOOL_NAME.pattern}$")]  # so no tool name can hold call markup
 
 
 class FunctionDef(_Req):
-    name: FunctionName
+    name: ToolName
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -309,7 +309,7 @@ class CompletionRequest(SamplingFields):
 
 class FunctionTool(_Req):
     type: Literal["function"]
-    name: FunctionName
+    name: ToolName
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
