@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
 import stat
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator
@@ -56,14 +59,10 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     except OSError as e:  # a parent that is a file, a read-only place...
         raise InputError(f"cannot write {path}: {e.strerror or e}") from None
     try:
+        _lock(fd)  # held until the rename: remove_dead_temp_files never takes a live writer's file
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp creates 0600; give the file the mode open() would
-        os.close(fd)
         yield Path(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        os.fsync(fd)  # the writes went through another descriptor of the same file
         os.replace(tmp, path)
     except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
@@ -71,6 +70,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
             raise InputError(f"cannot write {path}: {e.strerror} ({_free(path.parent)} free in {path.parent}); "
                              "free some space or write elsewhere") from None  # fmt: skip
         raise
+    finally:
+        os.close(fd)
     fsync_dir(path.parent)
 
 
@@ -104,6 +105,45 @@ def publish_new(path: str | os.PathLike, data: bytes) -> bool:
         Path(tmp).unlink(missing_ok=True)
     fsync_dir(path.parent)
     return True
+
+
+def _lock(fd: int, *, wait: bool = True) -> None:
+    """flock ``fd`` exclusively; a filesystem without flock (some network mounts) is not an error for a writer."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except OSError:
+        if not wait:
+            raise
+
+
+DEAD_TEMP_AGE_S = 10.0  # a temp file younger than this may be one whose writer has not taken its lock yet
+
+
+def remove_dead_temp_files(folder: Path) -> None:
+    """Delete the ``.*.tmp`` files that atomic writes in ``folder`` left when their process was killed mid-write.
+
+    A live writer holds an flock on its temp file until the rename (:func:`atomic_path`), and the kernel drops the
+    lock when the process dies; so a temp file whose lock can be taken belongs to no one, and one that is locked is
+    left alone. A file modified in the last DEAD_TEMP_AGE_S seconds is left alone too: its writer may be between
+    creating it and locking it. Where flock is not supported nothing is removed. Nothing here raises."""
+    try:
+        candidates = list(folder.glob(".*.tmp"))
+    except OSError:
+        return
+    for tmp in candidates:
+        try:
+            fd = os.open(tmp, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and time.time() - st.st_mtime > DEAD_TEMP_AGE_S:
+                _lock(fd, wait=False)  # BlockingIOError: its writer is alive
+                tmp.unlink()
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
 
 def read_json(path: str | os.PathLike, error: type[Exception], what: str):
@@ -142,6 +182,59 @@ def write_cache(path: str | os.PathLike, data: bytes | Callable[[BinaryIO], obje
     except (OSError, InputError):
         return False
     return True
+
+
+# ------------------------------------------------------------------------------------------ derived (cache) files
+
+SEAL = b"detinfer-cache-v1"  # first word of a sealed cache file
+_cache_log = logging.getLogger("detinfer.cache")
+
+
+class DamagedCache(Exception):
+    """A cache file that does not check out; the message (one line) names the file and what is wrong with it."""
+
+
+def seal(payload: bytes, source: str) -> bytes:
+    """``payload`` behind one line that binds it to ``source`` (what it was derived from, e.g. a GGUF's header key):
+    ``detinfer-cache-v1 <sha256 of source, newline, payload> <source>\n``, then the payload."""
+    h = hashlib.sha256(source.encode("utf-8") + b"\n")
+    h.update(payload)
+    return b"%s %s %s\n" % (SEAL, h.hexdigest().encode("ascii"), source.encode("utf-8")) + payload
+
+
+def write_sealed_cache(path: str | os.PathLike, payload: bytes, source: str) -> bool:
+    """:func:`write_cache` of ``payload`` sealed to ``source`` (:func:`seal`); read it back with :func:`read_sealed_cache`."""
+    return write_cache(path, seal(payload, source))
+
+
+def read_sealed_cache(path: str | os.PathLike, source: str, *, max_bytes: int) -> bytes | None:
+    """The payload of the sealed cache file ``path`` made from ``source``, or None if there is no such file.
+
+    Raises DamagedCache (one line naming the file) if it is not a readable regular file of at most ``max_bytes``,
+    has no seal line, was made from another source, or its payload does not match the seal's sha256 (truncated,
+    edited, or written by a version of detinfer that derives it differently)."""
+    if not os.path.lexists(path):
+        return None
+    data = read_input(path, DamagedCache, "cache file", max_bytes=max_bytes)
+    line, newline, payload = data.partition(b"\n")
+    parts = line.split(b" ", 2)
+    if not newline or len(parts) != 3 or parts[0] != SEAL:
+        raise DamagedCache(f"cache file {path} has no detinfer-cache seal (truncated or overwritten)")
+    _, digest, sealed_source = parts
+    if sealed_source != source.encode("utf-8"):
+        raise DamagedCache(f"cache file {path} was derived from {sealed_source[:100].decode('utf-8', 'replace')!r}, "
+                           f"not from {source!r}")  # fmt: skip
+    h = hashlib.sha256(sealed_source + b"\n")
+    h.update(payload)
+    if h.hexdigest().encode("ascii") != digest:
+        raise DamagedCache(f"cache file {path} does not match its sha256 (truncated or edited)")
+    return payload
+
+
+def warn_damaged_cache(problem: str, model: str) -> None:
+    """One warning line (logger ``detinfer.cache``; without logging configured, Python prints it on stderr as is)
+    for a cache file that was not used: ``problem`` names the file and what is wrong, ``model`` what rebuilds it."""
+    _cache_log.warning("%s; not used, rebuilt from %s", " ".join(problem.split()), model)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

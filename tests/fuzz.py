@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -77,6 +78,7 @@ class Corpus:
     snapshot: str = ""  # the run's token stream as a pytest snapshot stores it (canonical JSON)
     http: list[dict] = field(default_factory=list)  # valid request bodies: (path, body) as {"path": ..., "body": ...}
     engine: Any = None  # the tiny model's engine, shared by the HTTP target's app
+    cache: Any = None  # the cache target's CacheCorpus, built on first use
     _client: Any = None
 
 
@@ -402,6 +404,20 @@ def json_strategy(base: dict):
 
 def apply_json_ops(base: dict, case, reseal: Callable[[dict], dict] | None) -> bytes:
     edits, do_reseal, text_ops = case
+    data = apply_json_edits(base, edits)
+    if do_reseal and reseal is not None and isinstance(data, dict):
+        data = reseal(data)
+    raw = bytearray(json.dumps(data, sort_keys=True, indent=2, ensure_ascii=False, allow_nan=True).encode("utf-8", "surrogatepass"))
+    for op in text_ops:
+        if raw and op[0] == "truncate":
+            del raw[op[1] % len(raw) :]
+        elif raw and op[0] == "flip":
+            raw[op[1] % len(raw)] ^= 1 << op[2]
+    return bytes(raw)
+
+
+def apply_json_edits(base: Any, edits) -> Any:
+    """A copy of ``base`` with :func:`json_strategy`'s edits (set, delete, add at a path) applied."""
     data = copy.deepcopy(base)
     for kind, path, value in edits:
         value = copy.deepcopy(value)  # hypothesis reuses leaf objects: inserting one list twice would nest it in itself
@@ -423,15 +439,7 @@ def apply_json_ops(base: dict, case, reseal: Callable[[dict], dict] | None) -> b
                 parent.append(value)
         except (KeyError, IndexError, TypeError):
             pass  # an earlier edit removed or retyped the path
-    if do_reseal and reseal is not None and isinstance(data, dict):
-        data = reseal(data)
-    raw = bytearray(json.dumps(data, sort_keys=True, indent=2, ensure_ascii=False, allow_nan=True).encode("utf-8", "surrogatepass"))
-    for op in text_ops:
-        if raw and op[0] == "truncate":
-            del raw[op[1] % len(raw) :]
-        elif raw and op[0] == "flip":
-            raw[op[1] % len(raw)] ^= 1 << op[2]
-    return bytes(raw)
+    return data
 
 
 def reseal_manifest(data: dict) -> dict:
@@ -941,12 +949,212 @@ def check_tool_schema(corpus: Corpus, case, path: Path) -> None:
         raise AssertionError(f"validation gave {valid!r} after {time.perf_counter() - t0:.2f} s")
 
 
+# ------------------------------------------------------------------------------------------ issue 32: derived files
+
+CACHE_TEXT = "hi there, the cat is on the mat"
+
+
+@dataclass
+class CacheCorpus:
+    """A tiny SentencePiece model (so it has a merge table) and a clean home of its derived files, kept as bytes,
+    with what a load from it gives (the outputs every damaged home must give too)."""
+
+    model: Path
+    files: dict[str, bytes]  # path relative to the home -> bytes
+    outputs: tuple
+    json: dict[str, Any] = field(default_factory=dict)  # "index" / "descriptor" -> its parsed content
+    paths: dict[str, list[tuple]] = field(default_factory=dict)  # the same -> JSON paths worth editing
+    warned: int = 0  # inputs a load reported as damaged: the mutations bite
+
+
+@contextmanager
+def _cache_home(home: Path):
+    """Run with ``home`` as DETINFER_HOME and its own weights store, and the size thresholds of the store and the
+    merge table at 0 (the tiny model is far below them; only which files exist depends on them): restored after,
+    since tests/test_fuzz.py runs this in the test process."""
+    from detinfer.model import tokenizer, weights_cache
+
+    saved_env = {k: os.environ.get(k) for k in ("DETINFER_HOME", "DETINFER_WEIGHTS_CACHE")}
+    saved = weights_cache.MIN_BYTES, tokenizer.SPM_CACHE_MIN_TOKENS
+    os.environ["DETINFER_HOME"] = str(home)
+    os.environ.pop("DETINFER_WEIGHTS_CACHE", None)
+    weights_cache.MIN_BYTES = tokenizer.SPM_CACHE_MIN_TOKENS = 0
+    try:
+        yield
+    finally:
+        weights_cache.MIN_BYTES, tokenizer.SPM_CACHE_MIN_TOKENS = saved
+        for k, v in saved_env.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def _cache_outputs(model: Path) -> tuple:
+    """Load the model from the current home and return what depends on its derived files: the tokenizer hash and
+    ids of a text, and the logits of two tokens (bytes); waits for the store's background save."""
+    from detinfer.compute.engine import Engine
+
+    engine = Engine.load(model, n_ctx=32)
+    for t in threading.enumerate():
+        if t.name == "weights-cache-save":
+            t.join()
+    ids = engine.tokenizer.encode(CACHE_TEXT)
+    return engine.tokenizer.hash, ids, engine.forward(ids[:2], engine.new_cache()).tobytes()
+
+
+def cache_corpus(corpus: Corpus) -> CacheCorpus:
+    """Built on first use (only the cache target needs it) in the corpus folder."""
+    if corpus.cache is None:
+        from gguf import GGUFValueType as V
+
+        f = _factory()
+        n_tokens = len(f.bpe_vocab()[0])
+        model = f.write_tiny_gguf(corpus.folder / "cache" / "tiny-spm.gguf", matrix_type="Q4_1", extra_metadata={
+            "tokenizer.ggml.model": ("llama", V.STRING), "tokenizer.ggml.scores": ([-i for i in range(n_tokens)], V.ARRAY)})
+        home = corpus.folder / "cache" / "home"
+        with _cache_home(home):
+            outputs = _cache_outputs(model)
+            if _cache_outputs(model) != outputs:
+                raise AssertionError("a warm load of the tiny model differs from its cold load")
+        files = {str(p.relative_to(home)): p.read_bytes() for p in sorted(home.rglob("*")) if p.is_file()}
+        kinds = sorted(_cache_kind(name) for name in files)
+        if kinds != ["bin", "descriptor", "index", "merges", "tokenizer-hash"]:
+            raise AssertionError(f"the clean home holds {sorted(files)}")
+        cc = corpus.cache = CacheCorpus(model, files, outputs)
+        for kind in ("index", "descriptor"):
+            data = files[_cache_file(cc, kind)]
+            cc.json[kind] = json.loads(data.partition(b"\n")[2] if kind == "index" else data)
+            cc.paths[kind] = _paths(cc.json[kind])
+    return corpus.cache
+
+
+def _cache_kind(name: str) -> str:
+    for suffix, kind in ((".index-v3", "index"), (".tokenizer-sha256-v2", "tokenizer-hash"), (".spm-merges-v2", "merges"),
+                         (".json", "descriptor"), (".bin", "bin")):  # fmt: skip
+        if name.endswith(suffix):
+            return kind
+    raise AssertionError(f"unknown derived file {name}")
+
+
+CACHE_KINDS = ("index", "descriptor", "merges", "tokenizer-hash", "bin")
+
+
+def cache_strategy(corpus: Corpus):
+    """(file kind, JSON edits, reseal, byte ops): which derived file to damage; for the index and the descriptor,
+    JSON edits of their content (:func:`json_strategy`'s edits at random paths) and whether to make the checksum
+    agree again (reseal the index; recompute the store's sha256), so an edit reaches the comparison with the GGUF
+    itself; for every file, truncation, bit flips and overwritten 4-byte words anywhere, and for the merge table
+    swapped rows. The tokenizer files are bound by their seal alone, so they are never resealed."""
+    st = _st()
+    cc = cache_corpus(corpus)
+    leaf = st.one_of(st.sampled_from(_JSON_LEAVES), st.integers(), st.floats(), st.text(max_size=8))
+    byte_op = st.one_of(
+        st.tuples(st.just("truncate"), st.integers(0, 10**7)),
+        st.tuples(st.just("flip"), st.integers(0, 10**7), st.integers(0, 7)),
+        st.tuples(st.just("word"), st.integers(0, 10**7), st.sampled_from(INTERESTING)),
+        st.tuples(st.just("swap-rows"), st.integers(0, 10**6), st.integers(0, 10**6)),
+    )
+
+    @st.composite
+    def case(draw):
+        kind = draw(st.sampled_from(CACHE_KINDS))
+        edits, reseal = [], False
+        if kind in ("index", "descriptor") and draw(st.booleans()):
+            edits = draw(st.lists(st.tuples(st.sampled_from(["set", "delete", "add"]), st.sampled_from(cc.paths[kind]), leaf),
+                                  min_size=1, max_size=3))  # fmt: skip
+            reseal = draw(st.booleans())
+        ops = draw(st.lists(byte_op, min_size=0 if edits else 1, max_size=2))
+        return kind, edits, reseal, ops
+
+    return case()
+
+
+def _cache_file(cc: CacheCorpus, kind: str) -> str:
+    return next(name for name in cc.files if _cache_kind(name) == kind)
+
+
+def _damaged_cache_bytes(cc: CacheCorpus, case) -> tuple[str, bytes]:
+    import hashlib
+
+    from detinfer.fileio import seal
+
+    kind, edits, reseal, ops = case
+    name = _cache_file(cc, kind)
+    raw = cc.files[name]
+    if edits:
+        data = apply_json_edits(cc.json[kind], edits)  # in the file's key order: the order is content too
+        text = json.dumps(data, allow_nan=True).encode("utf-8", "surrogatepass")
+        if kind == "index":
+            source = raw.partition(b"\n")[0].split(b" ", 2)[2].decode()
+            raw = seal(text, source) if reseal else raw.partition(b"\n")[0] + b"\n" + text
+        else:
+            if reseal and isinstance(data, dict):
+                body = {k: v for k, v in data.items() if k != "sha256"}
+                h = hashlib.sha256(cc.files[_cache_file(cc, "bin")])
+                try:
+                    h.update(json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8"))
+                    data["sha256"] = h.hexdigest()
+                except (TypeError, ValueError, UnicodeError):
+                    pass
+            raw = json.dumps(data, allow_nan=True).encode("utf-8", "surrogatepass")
+    buf = bytearray(raw)
+    for op in ops:
+        if not buf:
+            break
+        if op[0] == "truncate":
+            del buf[op[1] % len(buf) :]
+        elif op[0] == "flip":
+            buf[op[1] % len(buf)] ^= 1 << op[2]
+        elif op[0] == "word":
+            at = op[1] % len(buf)
+            buf[at : at + 4] = (op[2] % (1 << 32)).to_bytes(4, "little")
+        elif op[0] == "swap-rows" and kind == "merges":
+            head = raw.index(b"\n") + 1
+            rows = (len(buf) - head) // 8
+            if rows:
+                a, b = head + 8 * (op[1] % rows), head + 8 * (op[2] % rows)
+                buf[a : a + 8], buf[b : b + 8] = buf[b : b + 8], buf[a : a + 8]
+    return name, bytes(buf)
+
+
+def check_cache(corpus: Corpus, case, folder: Path) -> None:
+    """Load the tiny model from a home with one damaged derived file: the outputs must be the clean home's, every
+    warning one line, and nothing may raise (a DetinferError too is a broken contract here: a cache is never fatal)."""
+    import logging
+    import shutil
+
+    cc = cache_corpus(corpus)
+    shutil.rmtree(folder, ignore_errors=True)
+    for name, data in cc.files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+    name, damaged = _damaged_cache_bytes(cc, case)
+    (folder / name).write_bytes(damaged)
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger("detinfer.cache")
+    log.addHandler(handler)
+    try:
+        with _cache_home(folder):
+            outputs = _cache_outputs(cc.model)
+    except DetinferError as e:
+        raise AssertionError(f"a damaged {case[0]} made the load fail: {type(e).__name__}: {e}") from None
+    finally:
+        log.removeHandler(handler)
+    if outputs != cc.outputs:
+        raise AssertionError(f"a damaged {case[0]} changed the outputs")
+    if any("\n" in m for m in messages):
+        raise AssertionError(f"a warning of more than one line: {messages!r}")
+    cc.warned += bool(messages)
+
+
 @dataclass(frozen=True)
 class Target:
     name: str
     what: str  # the class of bad input, for the report
     strategy: Callable[[Corpus], Any]
     check: Callable[[Corpus, Any, Path], None]
+    max_examples: int | None = None  # a cap on --examples for a target whose inputs are slow
+    refuses: bool = True  # some inputs end in a DetinferError (False: every input must give a result)
 
 
 TARGETS = {
@@ -1009,6 +1217,12 @@ TARGETS = {
                "with arguments that reach the patterns -> the request-time check (RE2, llguidance) and the bounded "
                "validation of generated arguments: ConstraintError or a verdict within 1 s",
                lambda c: tool_schema_strategy(), check_tool_schema),  # fmt: skip
+        Target("cache", "derived files under $DETINFER_HOME of a tiny SentencePiece model (the GGUF index, the tokenizer "
+               "hash, the merge table, the store descriptor and .bin): JSON edits of the index and descriptor, with and "
+               "without a checksum made to agree again, truncation, bit flips, overwritten words, swapped merge rows "
+               "-> Engine.load + tokenize + 2-token forward give the clean home's bytes, with at most one-line "
+               "warnings and never an exception",
+               cache_strategy, check_cache, max_examples=2000, refuses=False),  # fmt: skip
     )
 }
 
@@ -1173,9 +1387,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown target(s) {', '.join(unknown)}; known: {', '.join(TARGETS)}")
     with tempfile.TemporaryDirectory(prefix="detinfer-fuzz-") as tmp:
         workdir = Path(tmp)
-        results = {n: _run_in_worker(n, args.examples, args.seed, workdir, lambda s: print(s, file=sys.stderr)) for n in names}
-    stamp = {"examples": args.examples, "commit": _git_commit(), "date": time.strftime("%Y-%m-%d")}
-    results = {n: dict(r, **stamp) for n, r in results.items()}
+        examples = {n: min(args.examples, TARGETS[n].max_examples or args.examples) for n in names}
+        results = {n: _run_in_worker(n, examples[n], args.seed, workdir, lambda s: print(s, file=sys.stderr)) for n in names}
+    stamp = {"commit": _git_commit(), "date": time.strftime("%Y-%m-%d")}
+    results = {n: dict(r, examples=examples[n], **stamp) for n, r in results.items()}
     if args.report:
         from detinfer.fileio import atomic_write_text, read_json
 

@@ -28,7 +28,7 @@ from detinfer.model.sandbox import MAX_RENDER_CHARS  # noqa: E402
 
 EXAMPLES = {"gguf": 250, "manifest": 300, "session": 300, "script": 300, "detkv": 300, "template": 300, "http": 200,
             "template_loops": 40, "deep_json": 80, "special_files": 150,
-            "template_bombs": 60, "constraints": 150, "snapshots": 150, "tool_schemas": 150}
+            "template_bombs": 60, "constraints": 150, "snapshots": 150, "tool_schemas": 150, "cache": 60}
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -53,7 +53,10 @@ def test_fuzz_target(corpus: fuzz.Corpus, name: str) -> None:
         assert outcome in (fuzz.OK, fuzz.REJECTED), f"{outcome}: {detail}"
 
     run()
-    assert seen.get(fuzz.REJECTED), f"no input of {name} was rejected: the mutations do not bite ({seen})"
+    if target.refuses:
+        assert seen.get(fuzz.REJECTED), f"no input of {name} was rejected: the mutations do not bite ({seen})"
+    else:  # the cache target: every input gives the clean result; the damage must still be noticed
+        assert fuzz.cache_corpus(corpus).warned, f"no damaged file of {name} was noticed: the mutations do not bite ({seen})"
 
 
 def test_gguf_truncated_at_every_boundary(corpus: fuzz.Corpus) -> None:

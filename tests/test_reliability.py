@@ -30,6 +30,7 @@ from gguf_factory import CHATML
 
 from detinfer.compute.engine import Engine
 from detinfer.errors import ManifestError, TemplateError
+from detinfer.fileio import seal
 from detinfer.model import sandbox
 from detinfer.model.chat import ChatTemplate
 from detinfer.model.gguf_file import HEADER_KEY_BYTES, INDEX_VERSION, ModelFile
@@ -217,29 +218,30 @@ def test_deep_or_huge_http_bodies_are_400_in_openai_shape(tiny_engine: Engine):
                                      f'{{"index_version": {INDEX_VERSION}, "header_bytes": 8, "metadata": {{}}, "tensors": [["x", 999, [1], 0]]}}'],
                          ids=["no-tensors", "deep", "bad-type"])  # fmt: skip
 def test_corrupt_index_cache_is_rebuilt(tmp_path: Path, monkeypatch, tiny_chat: Path, content: str):
+    """Sealed to the right key (so they reach the parser and the schema), corrupt indexes are rebuilt."""
     monkeypatch.setenv("DETINFER_HOME", str(tmp_path))
     good = ModelFile(tiny_chat)
-    index = tmp_path / "index" / f"header-{good.header_key}.json"
-    index.write_text(content)
+    index = tmp_path / "index" / f"header-{good.header_key}.index-v{INDEX_VERSION}"
+    index.write_bytes(seal(content.encode(), f"gguf-header {good.header_key}"))
     again = ModelFile(tiny_chat)
     assert again.metadata == good.metadata and again.tensors.keys() == good.tensors.keys()
-    assert json.loads(index.read_text())["tensors"], "the cache file was rewritten"
+    assert json.loads(index.read_bytes().partition(b"\n")[2])["tensors"], "the cache file was rewritten"
 
 
-@pytest.mark.parametrize("header_bytes", ["past the hashed prefix", "inside it (control)"])
-def test_index_cache_is_used_only_for_a_header_its_key_covers(tmp_path: Path, monkeypatch, tiny_chat: Path, header_bytes: str):
+@pytest.mark.parametrize("header_bytes", ["past the hashed prefix", "inside it"])
+def test_edited_index_cache_is_not_used(tmp_path: Path, monkeypatch, tiny_chat: Path, header_bytes: str):
     """The index is found by a hash of the file's first HEADER_KEY_BYTES bytes: one that claims a longer header
-    (what a file with a bigger header would need) is not trusted. The control shows the edited index is read."""
+    (what a file with a bigger header would need) is not trusted, nor one whose metadata is not the header's
+    (both sealed again, so the checksum holds; tests/test_cache_trust.py has the negative controls)."""
     monkeypatch.setenv("DETINFER_HOME", str(tmp_path))
     good = ModelFile(tiny_chat)
-    index = tmp_path / "index" / f"header-{good.header_key}.json"
-    edited = json.loads(index.read_text())
+    index = tmp_path / "index" / f"header-{good.header_key}.index-v{INDEX_VERSION}"
+    edited = json.loads(index.read_bytes().partition(b"\n")[2])
     edited["metadata"]["general.name"] = "edited"
     if header_bytes == "past the hashed prefix":
         edited["header_bytes"] = HEADER_KEY_BYTES + 1
-    index.write_text(json.dumps(edited))
-    name = ModelFile(tiny_chat).metadata.get("general.name")
-    assert (name == "edited") == (header_bytes == "inside it (control)")
+    index.write_bytes(seal(json.dumps(edited).encode(), f"gguf-header {good.header_key}"))
+    assert ModelFile(tiny_chat).metadata.get("general.name") != "edited"
 
 
 # ------------------------------------------------------------------------------------------ 3. records validated

@@ -15,11 +15,12 @@ import pytest
 from gguf_factory import write_tiny_gguf
 
 from detinfer.compute.engine import Engine
+from detinfer.fileio import seal
 from detinfer.model import weights_cache
 from detinfer.model.config import ModelConfig
 from detinfer.model.gguf_file import ModelFile
 from detinfer.model.tokenizer import Tokenizer
-from detinfer.model.weights import Weights, layout_key
+from detinfer.model.weights import Weights, open_store
 
 
 def _saved() -> None:
@@ -30,7 +31,8 @@ def _saved() -> None:
 
 
 def _load(mf: ModelFile) -> Weights:
-    return Weights.load(mf, ModelConfig.from_model(mf), weights_cache.open_store(mf.header_key, layout_key()))
+    cfg = ModelConfig.from_model(mf)
+    return Weights.load(mf, cfg, open_store(mf, cfg))
 
 
 def _arrays(w: Weights) -> list[np.ndarray]:
@@ -45,7 +47,8 @@ def _same_bytes(a: Weights, b: Weights) -> bool:
 def store(monkeypatch, tmp_path: Path, model_path: Path) -> Path:
     """An empty store folder, filled by one repack of the default model."""
     monkeypatch.setenv("DETINFER_WEIGHTS_CACHE", str(tmp_path / "weights"))
-    assert weights_cache.open_store(ModelFile(model_path).header_key, layout_key()) is None
+    mf = ModelFile(model_path)
+    assert open_store(mf, ModelConfig.from_model(mf)) is None
     _load(ModelFile(model_path))
     _saved()
     return tmp_path / "weights"
@@ -159,14 +162,14 @@ def test_tokenizer_hash_kept_beside_the_index_is_the_computed_one(monkeypatch, t
     monkeypatch.setenv("DETINFER_HOME", str(tmp_path))
     computed = Tokenizer.from_model(ModelFile(model_path, use_index=False)).hash  # not indexed: nothing kept
     mf = ModelFile(model_path)
-    path = mf.derived_cache_path("tokenizer-sha256")
+    path, source = mf.derived_cache_path("tokenizer-sha256-v2")
     if kept == "valid":
-        path.write_text(computed)
+        path.write_bytes(seal(computed.encode(), source))
     elif kept == "garbage":
-        path.write_text("not a hash")
+        path.write_bytes(seal(b"not a hash", source))
     assert Tokenizer.from_model(mf).hash == computed
-    assert path.read_text() == computed
-    path.write_text("f" * 64)  # control: a kept value is what the next load reports
+    assert path.read_bytes() == seal(computed.encode(), source)
+    path.write_bytes(seal(b"f" * 64, source))  # control: a kept value that checks out is what the next load reports
     assert Tokenizer.from_model(ModelFile(model_path)).hash == "f" * 64
 
 
@@ -178,7 +181,7 @@ def test_the_command_waits_for_the_store_it_writes(monkeypatch, tmp_path: Path, 
     r = subprocess.run([sys.executable, "-m", "detinfer.cli", *args], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     mf = ModelFile(model_path)
-    store = weights_cache.open_store(mf.header_key, layout_key())
+    store = open_store(mf, ModelConfig.from_model(mf))
     assert store is not None and store.records(mf.sha256) is not None
 
 
@@ -190,7 +193,7 @@ def test_home_that_cannot_be_written_is_not_an_error(monkeypatch, tmp_path: Path
     monkeypatch.setenv("DETINFER_HOME", str(tmp_path / "home"))
     expected = Tokenizer.from_model(ModelFile(path))
     written = {p.name.split(".", 1)[1] for p in (tmp_path / "home" / "index").iterdir()}  # control: all are written
-    assert {"json", "tokenizer-sha256"} <= written and (path_fixture == "model_path" or any("spm-merges" in w for w in written))
+    assert {"index-v3", "tokenizer-sha256-v2"} <= written and (path_fixture == "model_path" or any("spm-merges" in w for w in written))
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     monkeypatch.setenv("DETINFER_HOME", str(blocker / "home"))

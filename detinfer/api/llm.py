@@ -296,18 +296,21 @@ class Conversation:
 
 
 def load(model: str | os.PathLike | None = None, *, n_ctx: int = 4096, threads: int | None = None, kv_type: str = "f32",
-         chat_template: str | os.PathLike | None = None) -> LLM:  # fmt: skip
+         chat_template: str | os.PathLike | None = None, rederive: bool = False) -> LLM:  # fmt: skip
     """Load a model: a registry name (default ``smollm2-135m-instruct-q4_1``; it must have been downloaded with
     ``detinfer pull NAME``, else PullError) or a path to a ``.gguf`` file.
 
     n_ctx: KV cache positions (at most the model's context length); threads: numba threads (default all cores;
     never changes a result); kv_type: "f32" or "f16" (quantized caches are refused: KVTypeError);
-    chat_template: a built-in format ("gemma", "chatml") or a jinja file, for a model without its own.
+    chat_template: a built-in format ("gemma", "chatml") or a jinja file, for a model without its own;
+    rederive: use no file derived from the model (GGUF index, tokenizer caches, repacked weights): all of it is
+    computed from the GGUF alone and nothing is kept (same bytes, a slower load; numba's JIT cache is the caller's:
+    point ``NUMBA_CACHE_DIR`` at a fresh folder before importing detinfer, as the CLI's ``--rederive`` does).
     Raises PullError, GGUFError (missing, truncated or unsupported file), InputError (bad n_ctx or threads), KVTypeError.
     """
     set_threads(threads)
     template = ChatTemplate.from_option(str(chat_template)) if chat_template is not None else None
-    return LLM(Engine.load(model, n_ctx=n_ctx, kv_type=kv_type), threads=threads, chat_template=template)
+    return LLM(Engine.load(model, n_ctx=n_ctx, kv_type=kv_type, rederive=rederive), threads=threads, chat_template=template)
 
 
 def read_prompt_file(path: str | os.PathLike) -> str:

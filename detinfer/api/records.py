@@ -43,25 +43,26 @@ def _paths(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list:
 
 
 def verify(paths: str | os.PathLike | Iterable[str | os.PathLike], *, model: str | os.PathLike | None = None,
-           threads: int | None = None, on_result: Callable[[Outcome], None] | None = None) -> list[Outcome]:  # fmt: skip
+           threads: int | None = None, on_result: Callable[[Outcome], None] | None = None, rederive: bool = False) -> list[Outcome]:  # fmt: skip
     """Re-execute recorded files: run manifests, golden / snapshot token streams and session records (files, or
     folders searched for ``*.json``), each read once, and compare what the determinism contract covers. Returns one
     :class:`~detinfer.records.outcome.Outcome` per file, in order: ``status`` is "match", "mismatch" or "bad input" (a
     missing model, an edited record...), ``report()`` the lines saying what differs, ``turns`` a session's rows.
     ``model`` overrides the recorded model's file (its sha256 must match). ``on_result`` is called with each result
-    as it is ready. Raises ManifestError for a path that does not exist, InputError for a bad ``threads``."""
+    as it is ready. ``rederive`` loads every model from its GGUF alone, using no derived file (see :func:`load`).
+    Raises ManifestError for a path that does not exist, InputError for a bad ``threads``."""
     set_threads(threads)
-    return verify_paths(_paths(paths), model=None if model is None else str(model), on_result=on_result)
+    return verify_paths(_paths(paths), model=None if model is None else str(model), on_result=on_result, rederive=rederive)
 
 
 def replay(paths: str | os.PathLike | Iterable[str | os.PathLike], *, model: str | os.PathLike | None = None,
            threads: int | None = None, use_cache: bool = True, kv_dir: str | os.PathLike | None = None,
            until: int | None = None, cache_bytes: int = 1 << 30, warn: Callable[[str], None] | None = None,
-           on_result: Callable[[Outcome], None] | None = None) -> list[Outcome]:  # fmt: skip
+           on_result: Callable[[Outcome], None] | None = None, rederive: bool = False) -> list[Outcome]:  # fmt: skip
     """Re-execute every turn of recorded sessions (files, or folders of ``*.json``): one Outcome per file with a row
     per turn (``turns``; ``rows()`` as ``detinfer replay --json`` prints them). ``use_cache`` False recomputes every
     prefix; ``kv_dir`` restores each turn's prefix from its .detkv snapshot and ``until`` replays the first N turns
-    (both: one file). InputError for a path that is not a session file or folder, or a bad option."""
+    (both: one file); ``rederive`` as in :func:`verify` (not the prefix reuse ``use_cache`` is about). InputError for a path that is not a session file or folder, or a bad option."""
     set_threads(threads)
     files = collect_sessions(_paths(paths))
     if (kv_dir is not None or until is not None) and len(files) > 1:
@@ -71,7 +72,7 @@ def replay(paths: str | os.PathLike | Iterable[str | os.PathLike], *, model: str
         if not 1 <= until <= turns:
             raise InputError(f"--until {until} is out of range; the session has {turns} turns")
     options = ReplayOptions(use_cache=use_cache, kv_dir=None if kv_dir is None else Path(kv_dir), until=until, warn=warn)
-    engines = EngineCache(None if model is None else str(model), cache_bytes=cache_bytes)
+    engines = EngineCache(None if model is None else str(model), cache_bytes=cache_bytes, rederive=rederive)
     outcomes = []
     for f in files:
         outcomes.append(reexecute_file(f, engines, options))
@@ -82,17 +83,18 @@ def replay(paths: str | os.PathLike | Iterable[str | os.PathLike], *, model: str
 
 def rerun(path: str | os.PathLike, *, model: str | os.PathLike | None = None, threads: int | None = None,
           chunk_size: int = DEFAULT_CHUNK, on_step: Callable[[Step], None] | None = None,
-          warm_up: Callable[[Callable[[], None]], None] | None = None) -> Outcome:  # fmt: skip
+          warm_up: Callable[[Callable[[], None]], None] | None = None, rederive: bool = False) -> Outcome:  # fmt: skip
     """Re-execute one run manifest from its recorded inputs (``detinfer run --manifest``), streaming its steps to
     ``on_step``: the Outcome (``reexecuted``: the new run's manifest, to save). ``chunk_size`` never changes a result;
-    ``warm_up(compile)``, if given, runs the kernels' compile-or-load pass (the CLI shows a status around it).
+    ``warm_up(compile)``, if given, runs the kernels' compile-or-load pass (the CLI shows a status around it);
+    ``rederive`` as in :func:`verify`.
     Raises DetinferError if the file is not a valid run manifest or its model cannot be loaded."""
     set_threads(threads)
     check_chunk_size(chunk_size)
     record = read_record(path, "manifest")
     if record.kind != "manifest":
         raise InputError(f"{path} is a {record.kind}, not a run manifest; re-execute it with detinfer verify")
-    engines = EngineCache(None if model is None else str(model))
+    engines = EngineCache(None if model is None else str(model), rederive=rederive)
     engine = engines.for_record(record)
     (warm_up or (lambda compile_: compile_()))(engine.warm_up)
     out = reexecute(record, engines, ReplayOptions(chunk_size=chunk_size, on_step=on_step))
@@ -103,15 +105,17 @@ def rerun(path: str | os.PathLike, *, model: str | os.PathLike | None = None, th
 
 def branch(path: str | os.PathLike, until: int, script: str | os.PathLike, *, out: str | os.PathLike,
            model: str | os.PathLike | None = None, threads: int | None = None, cache_bytes: int = 1 << 30,
-           on_step: Callable[[Step], None] | None = None, on_turn: Callable[[int, Any], None] | None = None) -> SessionRecord:  # fmt: skip
+           on_step: Callable[[Step], None] | None = None, on_turn: Callable[[int, Any], None] | None = None,
+           rederive: bool = False) -> SessionRecord:  # fmt: skip
     """Replay the first ``until`` turns of the session at ``path`` exactly, then run ``script``'s turns after them,
-    writing the new session to ``out`` after every turn (``detinfer replay --until N --then SCRIPT --out FILE``)."""
+    writing the new session to ``out`` after every turn (``detinfer replay --until N --then SCRIPT --out FILE``);
+    ``rederive`` as in :func:`verify`."""
     set_threads(threads)
     record = read_record(path)
     if record.kind != "session":
         raise InputError(f"{path} is a {record.kind}, not a session record; --then branches a recorded session")
     sc = load_script(script)
-    engine = EngineCache(None if model is None else str(model)).for_record(record)
+    engine = EngineCache(None if model is None else str(model), rederive=rederive).for_record(record)
     return branch_record(engine, record.body, until, sc.turns, sc.sampling, out=out, prefix_cache=PrefixCache(cache_bytes),
                          on_step=on_step, on_turn=on_turn)  # fmt: skip
 

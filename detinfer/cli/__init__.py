@@ -10,7 +10,7 @@ import sys
 from typing import NoReturn
 
 from . import bench, models, records, run, serve  # noqa: F401 (each registers its commands)
-from .common import app
+from .common import REDERIVE, app
 
 __all__ = ["app", "main"]
 
@@ -21,8 +21,34 @@ def _bare_ray(args: list[str]) -> list[str]:
             for x in ([a, "local"] if a == "--ray" and (i + 1 == len(args) or args[i + 1].startswith("-")) else [a])]
 
 
+_FRESH_JIT = "DETINFER_FRESH_JIT_CACHE"  # set by _fresh_jit_cache in the process it re-executes
+
+
+def _fresh_jit_cache() -> None:
+    """``--rederive`` compiles every kernel anew. numba picks its cache folder (NUMBA_CACHE_DIR) when a kernel is
+    decorated, which importing this package has already done, so the command runs again in place (exec: the same
+    process id, stdin and stdout) with NUMBA_CACHE_DIR a new temporary folder, removed when that run ends."""
+    import os
+
+    fresh = os.environ.get(_FRESH_JIT)
+    if fresh is not None and fresh == os.environ.get("NUMBA_CACHE_DIR"):
+        import atexit
+        import shutil
+
+        atexit.register(shutil.rmtree, fresh, ignore_errors=True)
+        return
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="detinfer-jit-")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], dict(os.environ, NUMBA_CACHE_DIR=folder, **{_FRESH_JIT: folder}))
+
+
 def main() -> None:
     """The ``detinfer`` command; it ends with :func:`_quick_exit`."""
+    if REDERIVE in sys.argv[1:]:
+        _fresh_jit_cache()
     try:
         app(args=_bare_ray(sys.argv[1:]))
     except SystemExit as e:

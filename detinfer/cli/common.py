@@ -66,6 +66,9 @@ RayOpt = Annotated[Optional[str], typer.Option(
     "--ray", metavar="[ADDRESS]",
     help="Fan the work out over Ray: alone (or local), a local cluster sized to this machine; auto, ray://HOST:PORT or HOST:PORT joins one.")]
 ActorsOpt = Annotated[Optional[int], typer.Option("--actors", help="With --ray: how many actors (default: the cluster's CPUs / --threads).")]
+REDERIVE = "--rederive"
+RederiveOpt = Annotated[bool, flag(REDERIVE, help="Use no file derived from the model: parse its header, build the tokenizer, repack the "
+                                   "weights and compile every kernel (a fresh numba cache) from the GGUF alone. Slow; same bytes.")]
 COMPILE_STATUS_DELAY_S = 2.0  # off a terminal, the compile status line appears only if warming up takes longer
 
 
@@ -117,14 +120,15 @@ def streamer(quiet: bool) -> Callable[[Any], None]:
 
 
 def fan_out(verb: str, task, payloads: list, failed, *, ray: Optional[str], threads: Optional[int], actors: Optional[int],
-            on_result=None) -> list:  # fmt: skip
+            on_result=None, rederive: bool = False) -> list:  # fmt: skip
     """Run ``task`` over ``payloads`` here or on Ray (integrations.distributed.fan_out) with progress on stderr;
     results in input order. Ctrl-C stops the run (exit 130) and keeps what was already written."""
     from ..integrations.batch import ItemProgress
-    from ..integrations.distributed import check_address, import_ray
+    from ..integrations.distributed import check_address, check_rederive, import_ray
     from ..integrations.distributed import fan_out as run_fan_out
 
     try:
+        check_rederive(rederive, ray)
         if ray is None:
             api.set_threads(threads)
         else:

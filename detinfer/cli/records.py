@@ -29,6 +29,7 @@ from .common import (
     ModelOpt,
     QuietOpt,
     RayOpt,
+    RederiveOpt,
     ThreadsOpt,
     app,
     check_outputs,
@@ -78,6 +79,7 @@ def verify(
     junit_xml: Annotated[Optional[Path], typer.Option("--junit-xml", help="Also write a JUnit XML report (one test case per file).")] = None,
     ray: RayOpt = None,
     actors: ActorsOpt = None,
+    rederive: RederiveOpt = False,
 ) -> None:
     """Re-execute recorded manifests, golden streams, snapshots and sessions; exit 0 all match, 1 any mismatch, 2 bad input.
 
@@ -98,11 +100,11 @@ def verify(
         fail(e)
     if ray is not None or actors is not None:
         outcomes = fan_out("verified", partial(reexecute_task, model=model), read_records(files), reexecute_failed,
-                           ray=ray, threads=threads, actors=actors)  # fmt: skip
+                           ray=ray, threads=threads, actors=actors, rederive=rederive)  # fmt: skip
     else:
         with Progress(console=err, transient=True, disable=as_json) as progress:
             task = progress.add_task("verifying", total=len(files))
-            outcomes = api.verify(files, model=model, threads=threads, on_result=lambda r: progress.advance(task))
+            outcomes = api.verify(files, model=model, threads=threads, on_result=lambda r: progress.advance(task), rederive=rederive)
     if junit_xml is not None:
         try:
             write_junit(outcomes, junit_xml)
@@ -140,6 +142,7 @@ def replay(
     as_json: JsonOpt = False,
     ray: RayOpt = None,
     actors: ActorsOpt = None,
+    rederive: RederiveOpt = False,
 ) -> None:
     """Re-execute every turn of recorded sessions; exit 0 all match, 1 any mismatch, 2 bad input."""
     try:
@@ -154,16 +157,16 @@ def replay(
             if len(paths) != 1 or not paths[0].is_file():
                 raise InputError("--until, --then and --kv-dir apply to one session file, not a folder")
             api.branch(paths[0], until, then, out=out_path, model=model, threads=threads, cache_bytes=cache_bytes,
-                       on_step=streamer(False), on_turn=lambda i, rec: (sys.stdout.write("\n"), _turn_line(i, rec)))  # fmt: skip
+                       on_step=streamer(False), on_turn=lambda i, rec: (sys.stdout.write("\n"), _turn_line(i, rec)), rederive=rederive)  # fmt: skip
             err.print(f"replayed {until} turn(s) exactly, then ran new turn(s); session: {escape(str(out_path))}")
             return
         if ray is not None or actors is not None:
             options = api.ReplayOptions(use_cache=not no_cache)
             outcomes = fan_out("replayed", partial(reexecute_task, model=model, options=options), read_records(api.collect_sessions(paths)),
-                               reexecute_failed, ray=ray, threads=threads, actors=actors)  # fmt: skip
+                               reexecute_failed, ray=ray, threads=threads, actors=actors, rederive=rederive)  # fmt: skip
         else:
             outcomes = api.replay(paths, model=model, threads=threads, use_cache=not no_cache, kv_dir=kv_dir, until=until,
-                                  cache_bytes=cache_bytes, warn=warn)  # fmt: skip
+                                  cache_bytes=cache_bytes, warn=warn, rederive=rederive)  # fmt: skip
     except DetinferError as e:
         fail(e)
     rows = [row for r in outcomes for row in r.rows()]

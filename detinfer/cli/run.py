@@ -21,6 +21,7 @@ from .common import (
     ModelOpt,
     QuietOpt,
     RayOpt,
+    RederiveOpt,
     ThreadsOpt,
     app,
     check_outputs,
@@ -55,9 +56,11 @@ def _summary(m, out_path: Optional[Path]) -> None:
     )
 
 
-def _rerun(manifest: Path, *, model: Optional[str], threads: Optional[int], chunk_size: int, out_path: Optional[Path], quiet: bool) -> None:
+def _rerun(manifest: Path, *, model: Optional[str], threads: Optional[int], chunk_size: int, out_path: Optional[Path], quiet: bool,
+           rederive: bool) -> None:  # fmt: skip
     """``run --manifest``: re-execute the recorded inputs, stream the text, say match or what differs."""
-    outcome = api.rerun(manifest, model=model, threads=threads, chunk_size=chunk_size, on_step=streamer(quiet), warm_up=compiling)
+    outcome = api.rerun(manifest, model=model, threads=threads, chunk_size=chunk_size, on_step=streamer(quiet), warm_up=compiling,
+                        rederive=rederive)  # fmt: skip
     actual = outcome.reexecuted
     if not quiet:
         sys.stdout.write("\n")
@@ -108,6 +111,7 @@ def run(
     regex: Annotated[Optional[str], typer.Option("--regex", help="Constrain the output to match this regex.")] = None,
     grammar: Annotated[Optional[Path], typer.Option("--grammar", help="Constrain the output to this Lark grammar (file).")] = None,
     batch: Annotated[Optional[Path], typer.Option("--batch", hidden=True)] = None,
+    rederive: RederiveOpt = False,
 ) -> None:
     """Generate text and record a run manifest; or re-execute one with --manifest (exit 0 match, 1 mismatch)."""
     try:
@@ -118,7 +122,7 @@ def run(
         if manifest is not None:
             if given := _given(cli_ctx, _RECORDED_OPTIONS):
                 raise InputError(f"--manifest re-executes the recorded inputs and settings; drop {', '.join(given)}")
-            _rerun(manifest, model=model, threads=threads, chunk_size=chunk_size, out_path=out_path, quiet=quiet)
+            _rerun(manifest, model=model, threads=threads, chunk_size=chunk_size, out_path=out_path, quiet=quiet, rederive=rederive)
             return
         if sum(x is not None for x in (prompt, prompt_file, messages)) != 1:
             raise InputError("give exactly one of --prompt, --prompt-file, --messages (or --manifest)")
@@ -136,7 +140,7 @@ def run(
         api.Sampling.create(**options)  # bad sampling values fail before the model is loaded
         constraint = api.constraint_from_options(json_schema=json_schema, json_object=json_object, regex=regex, grammar=grammar,
                                                  ignore_eos=ignore_eos)  # fmt: skip
-        llm = api.load(model, n_ctx=ctx, kv_type=kv_type, threads=threads, chat_template=chat_template)
+        llm = api.load(model, n_ctx=ctx, kv_type=kv_type, threads=threads, chat_template=chat_template, rederive=rederive)
         chat_input = msgs if msgs is not None else text if chat else None
         steps = llm.stream(None if chat_input is not None else text, messages=chat_input, chunk_size=chunk_size, constraint=constraint,
                            **options)  # fmt: skip
@@ -170,14 +174,16 @@ def batch(
     threads: ThreadsOpt = None,
     ray: RayOpt = None,
     actors: ActorsOpt = None,
+    rederive: RederiveOpt = False,
 ) -> None:
     """Run a JSONL batch: every line becomes --out-dir/<id>.json, written as it finishes; exit 2 if a line is bad
     input (the others still run)."""
     try:
-        writer, todo, skipped = prepare_batch(batch_file, out_dir, resume=resume, model=model, n_ctx=ctx, kv_type=kv_type)
+        writer, todo, skipped = prepare_batch(batch_file, out_dir, resume=resume, model=model, n_ctx=ctx, kv_type=kv_type, rederive=rederive)
     except DetinferError as e:
         fail(e)
-    ran = fan_out("ran", batch_task, todo, batch_failed, ray=ray, threads=threads, actors=actors, on_result=lambda i, r: writer.write(r))
+    ran = fan_out("ran", batch_task, todo, batch_failed, ray=ray, threads=threads, actors=actors, on_result=lambda i, r: writer.write(r),
+                  rederive=rederive)  # fmt: skip
     results = sorted(ran + skipped, key=lambda r: r.line)
     for r in results:
         if r.status == BAD_INPUT:

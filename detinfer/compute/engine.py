@@ -24,8 +24,7 @@ from ..model.gguf_file import ModelFile
 from ..model.quants import DEQUANT_ROW
 from ..model.registry import resolve_model
 from ..model.tokenizer import Tokenizer
-from ..model.weights import Weights, layout_key
-from ..model.weights_cache import open_store
+from ..model.weights import Weights, open_store
 from . import kernels
 from .kvcache import KVCache, KVPool, check_kv_fits, kv_bytes_per_number, parse_kv_type
 from .linear import Activations, matmul, project
@@ -100,7 +99,7 @@ class Engine:
         self.kv_type = parse_kv_type(kv_type)
         check_kv_fits(cfg, n_ctx, self.kv_type)  # before any table of n_ctx rows is built
         # a store of repacked weights is checked in the background while the tokenizer is built
-        store = open_store(model_file.header_key, layout_key()) if model_file.indexed else None
+        store = open_store(model_file, cfg)
         self.tokenizer = Tokenizer.from_model(model_file)
         self.chat_template = ChatTemplate.from_model(model_file)
         self.weights = Weights.load(model_file, cfg, store)
@@ -123,15 +122,22 @@ class Engine:
         self._kv_pool = KVPool()
 
     @classmethod
-    def load(cls, model: str | os.PathLike | None = None, *, n_ctx: int = DEFAULT_N_CTX, kv_type: str = "f32") -> "Engine":
+    def load(cls, model: str | os.PathLike | None = None, *, n_ctx: int = DEFAULT_N_CTX, kv_type: str = "f32",
+             rederive: bool = False) -> "Engine":  # fmt: skip
         """Load a model by registry name or .gguf path (None: the default model).
+
+        ``rederive`` uses no derived file at all: the GGUF's header is parsed, the tokenizer's hash and merge table
+        computed and the weights repacked from the GGUF alone, and nothing is read from or written to
+        ``$DETINFER_HOME/index`` or the weights store (numba's JIT cache is the caller's: ``--rederive`` in the CLI
+        runs with a fresh ``NUMBA_CACHE_DIR``). Without it, every derived file is checked before use and rebuilt
+        with a one-line warning if it does not check out. Same bytes either way.
 
         The KV type is checked before the model is read, so a quantized ``kv_type`` fails fast (KVTypeError).
         Raises DetinferError subclasses for a missing/invalid file, unsupported architecture or tensor type.
         """
         parse_kv_type(kv_type)
         with _gc_paused():
-            return cls(ModelFile(resolve_model(model)), n_ctx=n_ctx, kv_type=kv_type)
+            return cls(ModelFile(resolve_model(model), use_index=not rederive), n_ctx=n_ctx, kv_type=kv_type)
 
     def warm_up(self) -> None:
         """Compile (first run) or load from numba's cache every kernel the engine uses, outside any timing: a 2-token

@@ -43,12 +43,12 @@ class WorkerState:
     """What a worker keeps between items: its engine caches (records/engines.py), one per --model override, so each
     model is loaded once per worker whatever the item."""
 
-    caches: dict[str | None, EngineCache] = field(default_factory=dict)
+    caches: dict[tuple[str | None, bool], EngineCache] = field(default_factory=dict)
 
-    def engines(self, model: str | None = None) -> EngineCache:
-        if model not in self.caches:
-            self.caches[model] = EngineCache(model)
-        return self.caches[model]
+    def engines(self, model: str | None = None, *, rederive: bool = False) -> EngineCache:
+        if (model, rederive) not in self.caches:
+            self.caches[model, rederive] = EngineCache(model, rederive=rederive)
+        return self.caches[model, rederive]
 
 
 # ------------------------------------------------------------------------------------------------ batch lines
@@ -95,6 +95,7 @@ class BatchItem:
     model: str | None = None  # the batch's default model (--model)
     n_ctx: int = 4096
     kv_type: str = "f32"
+    rederive: bool = False  # load the models from their GGUF alone (Engine.load)
 
 
 @dataclass
@@ -114,7 +115,8 @@ class BatchResult:
         return self.tokens
 
 
-def read_batch(path: Path, *, model: str | None = None, n_ctx: int = 4096, kv_type: str = "f32") -> list[BatchItem]:
+def read_batch(path: Path, *, model: str | None = None, n_ctx: int = 4096, kv_type: str = "f32",
+               rederive: bool = False) -> list[BatchItem]:  # fmt: skip
     """Parse a JSONL batch file (blank lines are skipped). A line that is not JSON or not a valid run is kept as a
     bad-input item, so the other lines still run. Raises InputError for an unreadable file, no lines, or an id
     used twice (naming both line numbers)."""
@@ -140,14 +142,14 @@ def read_batch(path: Path, *, model: str | None = None, n_ctx: int = 4096, kv_ty
             if spec.id in seen:
                 raise InputError(f"{path}: id {spec.id!r} is used on lines {seen[spec.id]} and {n}; ids name the output files and must be unique")
             seen[spec.id] = n
-        items.append(BatchItem(n, id_, spec, error, model, n_ctx, kv_type))
+        items.append(BatchItem(n, id_, spec, error, model, n_ctx, kv_type, rederive))
     if not items:
         raise InputError(f"{path} has no batch lines; write one JSON object per line with an id and a prompt")
     return items
 
 
 def prepare_batch(path: Path, out_dir: Path, *, resume: bool = False, model: str | None = None, n_ctx: int = 4096,
-                  kv_type: str = "f32") -> tuple["BatchWriter", list[BatchItem], list[BatchResult]]:  # fmt: skip
+                  kv_type: str = "f32", rederive: bool = False) -> tuple["BatchWriter", list[BatchItem], list[BatchResult]]:  # fmt: skip
     """Everything ``detinfer batch`` checks before running: the output folder, the KV type, the batch file's lines and
     ids, and which ids --resume skips. (writer, items to run, SKIPPED results); InputError / KVTypeError otherwise.
     A --model path is made absolute: Ray workers see the driver's path, not its working folder."""
@@ -160,7 +162,7 @@ def prepare_batch(path: Path, out_dir: Path, *, resume: bool = False, model: str
     if model is not None and model not in REGISTRY:
         model = str(Path(model).expanduser().absolute())
     writer = BatchWriter(out_dir)
-    todo, skipped = writer.pending(read_batch(path, model=model, n_ctx=n_ctx, kv_type=kv_type), resume)
+    todo, skipped = writer.pending(read_batch(path, model=model, n_ctx=n_ctx, kv_type=kv_type, rederive=rederive), resume)
     return writer, todo, skipped
 
 
@@ -204,7 +206,7 @@ def batch_task(state: WorkerState, item: BatchItem, *, pull: bool = False) -> Ba
     try:
         model = item.spec.model or item.model or DEFAULT_MODEL
         _ensure(model, pull)
-        manifest = batch_manifest(state.engines().load(model, item.n_ctx, item.kv_type), item)
+        manifest = batch_manifest(state.engines(rederive=item.rederive).load(model, item.n_ctx, item.kv_type), item)
     except DetinferError as e:
         return BatchResult(item.line, item.id, BAD_INPUT, message=f"{item.id}: {e}", seconds=time.perf_counter() - t0)
     return BatchResult(item.line, item.id, WRITTEN, tokens=len(manifest.output.token_ids), seconds=time.perf_counter() - t0,

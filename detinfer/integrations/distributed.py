@@ -171,6 +171,13 @@ def run_on_ray(
                 ray.kill(actor)
 
 
+def check_rederive(rederive: bool, ray: str | None) -> None:
+    """``--rederive`` re-derives everything in the process that runs the work (numba's JIT cache too, which the CLI
+    arranges for itself): a Ray worker would use its node's derived files. InputError for the two together."""
+    if rederive and ray is not None:
+        raise InputError("--rederive re-derives everything in this process (numba's JIT cache too); drop --ray")
+
+
 def fan_out(task: Callable[..., R], payloads: Sequence[Any], on_result: Callable[[int, R], None], failed: Callable[[Any, str], R],
             *, ray: str | None = None, threads: int = 1, actors: int | None = None) -> list[R]:  # fmt: skip
     """``task`` over ``payloads`` in this process (``ray`` None) or on the Ray cluster at ``ray``, where each worker

@@ -26,7 +26,7 @@ from gguf import TokenType
 from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
 
 from ..errors import TokenizerError
-from ..fileio import sha256_bytes, write_cache
+from ..fileio import DamagedCache, read_sealed_cache, sha256_bytes, warn_damaged_cache, write_sealed_cache
 from ..paths import detinfer_home
 from .gguf_file import ModelFile
 
@@ -197,7 +197,7 @@ def _build_gpt2(v: _Vocab) -> _Backend:
 
 
 SPM_SPACE = "\u2581"  # "▁": SentencePiece's escaped space (llama.cpp's llama_escape_whitespace)
-SPM_MERGES_VERSION = 1  # bump if _spm_merges changes what it computes: the cache file name carries it
+SPM_MERGES_VERSION = 2  # bump if _spm_merges changes what it computes or how it is kept: the cache file name carries it
 SPM_CACHE_MIN_TOKENS = 32_768  # smaller vocabularies compute their merges faster than a file round trip is worth
 
 
@@ -258,47 +258,58 @@ def _spm_merges(v: _Vocab, scores: list[float]) -> np.ndarray:
     return np.array([(ids[toks[i][:k]], ids[toks[i][k:]]) for _, i, k in order], dtype=np.int32).reshape(-1, 2)
 
 
-def _cached_spm_merges(v: _Vocab, scores: list[float], key: str) -> np.ndarray:
-    """``_spm_merges``, kept under ``$DETINFER_HOME/index/`` by the sha256 of the tokenizer metadata.
+def _cached_spm_merges(v: _Vocab, scores: list[float], key: str, cache: bool) -> np.ndarray:
+    """``_spm_merges``, kept under ``$DETINFER_HOME/index/`` by the sha256 of the tokenizer metadata when ``cache``.
 
-    Computing the merges of a 262k-token vocabulary takes ~1.5 s; loading them back, milliseconds. The file name
-    is content-addressed (tokenizer hash and SPM_MERGES_VERSION), so it can never be stale; an unreadable or
-    malformed file is recomputed, and a cache folder that cannot be written is not an error. Vocabularies under
-    SPM_CACHE_MIN_TOKENS are not cached.
+    Computing the merges of a 262k-token vocabulary takes ~1.5 s; loading them back, milliseconds. The file
+    (``tokenizer-<key>.spm-merges-v2``) holds the int32 pairs sealed to that key (:func:`detinfer.fileio.seal`):
+    one whose seal, length or token ids do not check out is reported (one warning line) and recomputed, never
+    used; a cache folder that cannot be written is not an error. Vocabularies under SPM_CACHE_MIN_TOKENS are not
+    cached.
     """
-    if len(v.tokens) < SPM_CACHE_MIN_TOKENS:
+    if not cache or len(v.tokens) < SPM_CACHE_MIN_TOKENS:
         return _spm_merges(v, scores)
-    path = detinfer_home() / "index" / f"tokenizer-{key}.spm-merges-v{SPM_MERGES_VERSION}.npy"
+    path = detinfer_home() / "index" / f"tokenizer-{key}.spm-merges-v{SPM_MERGES_VERSION}"
+    source = f"tokenizer {key}"
     try:
-        merges = np.load(path, allow_pickle=False)
-        if merges.dtype == np.int32 and merges.ndim == 2 and merges.shape[1] == 2 and (
-            merges.size == 0 or (merges.min() >= 0 and merges.max() < len(v.tokens))
-        ):
+        payload = read_sealed_cache(path, source, max_bytes=1 << 30)
+        if payload is not None:
+            if len(payload) % 8:
+                raise DamagedCache(f"cache file {path} does not hold whole (left, right) pairs")
+            merges = np.frombuffer(payload, "<i4").reshape(-1, 2).astype(np.int32)
+            if merges.size and (merges.min() < 0 or merges.max() >= len(v.tokens)):
+                raise DamagedCache(f"cache file {path} names token ids outside the vocabulary")
             return merges
-    except (OSError, ValueError):
-        pass
+    except DamagedCache as e:
+        warn_damaged_cache(str(e), v.name)
     merges = _spm_merges(v, scores)
-    write_cache(path, lambda f: np.save(f, merges, allow_pickle=False))
+    write_sealed_cache(path, merges.astype("<i4").tobytes(), source)
     return merges
 
 
 def _metadata_hash(mf: ModelFile, meta: dict[str, Any]) -> str:
     """sha256 hex of the canonical JSON of the ``tokenizer.ggml.*`` metadata ``meta`` of ``mf``, kept beside the
-    file's index (:meth:`ModelFile.derived_cache_path`): its key covers every metadata byte, so the kept value
-    cannot be stale. Encoding a 262k-token vocabulary as JSON takes ~80 ms; reading the hash back, microseconds."""
-    path = mf.derived_cache_path("tokenizer-sha256")
-    try:
-        if path is not None and re.fullmatch(r"[0-9a-f]{64}", kept := path.read_text(encoding="ascii")):
-            return kept
-    except (OSError, UnicodeDecodeError):
-        pass
+    file's index (:meth:`ModelFile.derived_cache_path`, sealed to the header key that covers every metadata byte).
+    Encoding a 262k-token vocabulary as JSON takes ~80 ms; reading the hash back, microseconds. A kept value whose
+    seal does not check out, or that is not a sha256, is reported (one warning line) and recomputed."""
+    kept = mf.derived_cache_path("tokenizer-sha256-v2")
+    if kept is not None:
+        path, source = kept
+        try:
+            payload = read_sealed_cache(path, source, max_bytes=4096)
+            if payload is not None:
+                if not re.fullmatch(rb"[0-9a-f]{64}", payload):
+                    raise DamagedCache(f"cache file {path} does not hold a sha256")
+                return payload.decode("ascii")
+        except DamagedCache as e:
+            warn_damaged_cache(str(e), mf.path.name)
     key = sha256_bytes(json.dumps(meta, sort_keys=True, ensure_ascii=True, separators=(",", ":")).encode("ascii"))
-    if path is not None:
-        write_cache(path, key.encode("ascii"))
+    if kept is not None:
+        write_sealed_cache(path, key.encode("ascii"), source)
     return key
 
 
-def _build_spm(v: _Vocab, key: str) -> _Backend:
+def _build_spm(v: _Vocab, key: str, cache: bool) -> _Backend:
     """SentencePiece BPE (``tokenizer.ggml.model = "llama"``) as llama.cpp's ``llm_tokenizer_spm`` runs it.
 
     Each raw-text fragment (the text between special / user-defined tokens) gets a leading space if
@@ -316,7 +327,7 @@ def _build_spm(v: _Vocab, key: str) -> _Backend:
     add_space_prefix = v.meta.get("tokenizer.ggml.add_space_prefix", True)
     if not isinstance(add_space_prefix, bool):
         raise TokenizerError(f"{v.name}: tokenizer.ggml.add_space_prefix = {add_space_prefix!r} is not a boolean")
-    merges = _cached_spm_merges(v, scores, key)
+    merges = _cached_spm_merges(v, scores, key, cache)
     tokens = np.array(v.tokens, dtype=object)  # indexing it picks 10^6 strings in C: twice as fast as map()
     pairs = list(zip(tokens[merges[:, 0]].tolist(), tokens[merges[:, 1]].tolist()))
     unk = _token_id(v, "tokenizer.ggml.unknown_token_id")
@@ -330,8 +341,9 @@ def _build_spm(v: _Vocab, key: str) -> _Backend:
     return _Backend(hf, _spm_bytes, True, _spm_byte_token)
 
 
-# tokenizer.ggml.model → builder(vocabulary, sha256 of the tokenizer metadata).
-_BUILDERS: dict[str, Callable[[_Vocab, str], _Backend]] = {"gpt2": lambda v, key: _build_gpt2(v), "llama": _build_spm}
+# tokenizer.ggml.model → builder(vocabulary, sha256 of the tokenizer metadata, whether it may keep derived files).
+_BUILDERS: dict[str, Callable[[_Vocab, str, bool], _Backend]] = {"gpt2": lambda v, key, cache: _build_gpt2(v),
+                                                                 "llama": _build_spm}  # fmt: skip
 
 
 def _read_vocab(mf: ModelFile) -> _Vocab:
@@ -445,7 +457,7 @@ class Tokenizer:
         """
         v = _read_vocab(mf)
         key = _metadata_hash(mf, v.meta)
-        backend = _BUILDERS[v.model](v, key)
+        backend = _BUILDERS[v.model](v, key, mf.indexed)
         bos_id = _token_id(v, "tokenizer.ggml.bos_token_id")
         eos_id = _token_id(v, "tokenizer.ggml.eos_token_id")
         eog_ids = _eog_ids(v, eos_id)

@@ -150,6 +150,30 @@ class QMatrix:
             None if a is None else _k_major(a) for a in (d_super, m_super))
         return cls(name, ggml_type, n_out, n_in, "q", arrays)
 
+    @staticmethod
+    def specs(ggml_type: GGMLQuantizationType, n_out: int, n_in: int) -> tuple[str, tuple]:
+        """(kind, arrays) of what :meth:`from_raw` makes of an (n_out, n_in) matrix of ``ggml_type``, each array
+        as (dtype name, shape) and each other entry as it is (z, None): the layout above, without repacking
+        anything (a store's descriptor is checked against it before its arrays are mapped)."""
+        G, nb = -(-n_out // R), n_in // QK
+        if ggml_type in (Q.F32, Q.F16, Q.BF16):
+            return "dense", (("float32", (G, n_in, R)),)
+        per_block = ("uint16", (G, nb, R))  # f16 bits of d, or of m
+        if ggml_type == Q.Q8_0:
+            return "q", (("int8", (G, nb, QK * R)), None, per_block, None, None, 0, None, None)
+        qs = ("uint32", (G, nb, 4 * R))
+        if ggml_type in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1):
+            qh = ("uint32", (G, nb, R)) if ggml_type in (Q.Q5_0, Q.Q5_1) else None
+            m = per_block if ggml_type in (Q.Q4_1, Q.Q5_1) else None
+            return "q", (qs, qh, per_block, None, m, {Q.Q4_0: 8, Q.Q5_0: 16}.get(ggml_type, 0), None, None)
+        supers = ("float32", (G, n_in // QK_K, R))
+        if ggml_type == Q.Q6_K:
+            sc = ("int8", (G, nb, R))
+            return "q", (qs, ("uint32", (G, nb, 2, R)), sc, sc, None, 32, supers, None)
+        qh = ("uint32", (G, nb, R)) if ggml_type == Q.Q5_K else None
+        sc = ("uint8", (G, nb, R))
+        return "q", (qs, qh, sc, None, sc, 0, supers, supers)
+
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays if isinstance(a, np.ndarray))
@@ -201,6 +225,48 @@ def _matrix(mf: ModelFile, *names: str, mapped: dict[str, QMatrix] | None = None
     return QMatrix(names[0], ggml_type, n_out, n_in, kind, arrays)
 
 
+def _runs(mf: ModelFile, names: tuple[str, ...]) -> list[list[str]]:
+    """``names`` cut where the tensor type changes: the tensors each QMatrix of a Projection stacks."""
+    runs: list[list[str]] = []
+    for n in names:
+        if runs and mf.tensor(runs[-1][-1]).ggml_type == mf.tensor(n).ggml_type:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return runs
+
+
+# A layer's projections: the Layer field and the tensors (after "blk.<i>.", before ".weight") whose rows it stacks.
+PROJECTIONS = {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "attn_output": ("attn_output",),
+               "ffn_gate_up": ("ffn_gate", "ffn_up"), "ffn_down": ("ffn_down",)}  # fmt: skip
+
+
+def _matrix_names(mf: ModelFile, cfg: ModelConfig) -> list[list[str]]:
+    """The tensors of every QMatrix :meth:`Weights.load` makes, in :attr:`Weights.matrices` order."""
+    names = [run for i in range(cfg.n_layer) for parts in PROJECTIONS.values()
+             for run in _runs(mf, tuple(f"blk.{i}.{part}.weight" for part in parts))]  # fmt: skip
+    return names + [["token_embd.weight" if cfg.tied_embeddings else "output.weight"]]
+
+
+def open_store(mf: ModelFile, cfg: ModelConfig) -> weights_cache.Mapped | None:
+    """The store of ``mf``'s repacked weights (:func:`detinfer.weights_cache.open_store`), checked against what a
+    repack of its tensor table gives, or None: no store, a file that is not indexed, or tensors that
+    :meth:`Weights.load` will refuse (it reports them)."""
+    if not mf.indexed:
+        return None
+    try:
+        validate_tensors(mf, tensor_shapes(cfg))
+    except GGUFError:
+        return None
+    expected: weights_cache.Expected = {}
+    for run in _matrix_names(mf, cfg):
+        first = mf.tensor(run[0])
+        n_out, n_in = sum(mf.tensor(n).shape[0] for n in run), first.shape[1]
+        kind, arrays = QMatrix.specs(first.ggml_type, n_out, n_in)
+        expected["+".join(run)] = ({"ggml_type": int(first.ggml_type), "n_out": n_out, "n_in": n_in, "kind": kind}, arrays)
+    return weights_cache.open_store(mf.header_key, layout_key(), expected, mf.path.name)
+
+
 @dataclass(frozen=True)
 class Projection:
     """Projections of one input whose outputs are concatenated: out[T, n_out] = x[T, n_in] @ [W_0; W_1; ...].T.
@@ -215,13 +281,7 @@ class Projection:
 
     @classmethod
     def load(cls, mf: ModelFile, *names: str, mapped: dict[str, QMatrix] | None = None) -> "Projection":
-        runs: list[list[str]] = []
-        for n in names:
-            if runs and mf.tensor(runs[-1][-1]).ggml_type == mf.tensor(n).ggml_type:
-                runs[-1].append(n)
-            else:
-                runs.append([n])
-        return cls(tuple(_matrix(mf, *run, mapped=mapped) for run in runs))
+        return cls(tuple(_matrix(mf, *run, mapped=mapped) for run in _runs(mf, names)))
 
     @property
     def n_in(self) -> int:
@@ -268,9 +328,8 @@ class Weights:
 
     @classmethod
     def load(cls, mf: ModelFile, cfg: ModelConfig, store: weights_cache.Mapped | None = None) -> "Weights":
-        """Validate the tensors ``cfg``'s architecture expects, then take the matrices from ``store`` (a
-        :func:`detinfer.weights_cache.open_store` of this file's header, used only once its checks pass) or
-        repack them. A repack of an indexed file (:attr:`ModelFile.indexed`) is saved as its store for the next
+        """Validate the tensors ``cfg``'s architecture expects, then take the matrices from ``store`` (an
+        :func:`open_store` of this file, used only once its checks pass) or repack them. A repack of an indexed file (:attr:`ModelFile.indexed`) is saved as its store for the next
         load, by a thread that the process waits for at exit.
 
         Raises GGUFError naming the first tensor that is missing, misshapen or of an unsupported type.
@@ -290,16 +349,13 @@ class Weights:
             p = f"blk.{i}."
             return Layer(
                 attn_norm=vec(p + "attn_norm.weight"),
-                attn_qkv=proj(p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"),
                 attn_qkv_bias=np.concatenate([vec(p + f"attn_{n}.bias") for n in "qkv"]) if arch.qkv_bias else None,
                 attn_q_norm=vec(p + "attn_q_norm.weight") if arch.qk_norm else None,
                 attn_k_norm=vec(p + "attn_k_norm.weight") if arch.qk_norm else None,
-                attn_output=proj(p + "attn_output.weight"),
                 post_attention_norm=vec(p + "post_attention_norm.weight") if arch.post_norms else None,
                 ffn_norm=vec(p + "ffn_norm.weight"),
-                ffn_gate_up=proj(p + "ffn_gate.weight", p + "ffn_up.weight"),
-                ffn_down=proj(p + "ffn_down.weight"),
                 post_ffw_norm=vec(p + "post_ffw_norm.weight") if arch.post_norms else None,
+                **{f: proj(*(f"{p}{part}.weight" for part in parts)) for f, parts in PROJECTIONS.items()},
             )
 
         weights = cls(

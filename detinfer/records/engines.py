@@ -16,15 +16,17 @@ from .reader import Record
 class EngineCache:
     """Engines loaded for records. ``model``: a registry name or .gguf path that overrides every record's own
     (``--model``; its sha256 must still match). At most ``keep`` engines stay loaded (least recently used go first):
-    a model in memory costs its weights. ``cache_bytes``: the budget of each engine's prefix cache (replay)."""
+    a model in memory costs its weights. ``cache_bytes``: the budget of each engine's prefix cache (replay).
+    ``rederive``: every engine is loaded from its GGUF alone, using no derived file (:meth:`Engine.load`)."""
 
-    def __init__(self, model: str | os.PathLike | None = None, *, keep: int = 4, cache_bytes: int = 1 << 30):
-        self.model, self.keep, self.cache_bytes = model, keep, cache_bytes
+    def __init__(self, model: str | os.PathLike | None = None, *, keep: int = 4, cache_bytes: int = 1 << 30,
+                 rederive: bool = False):  # fmt: skip
+        self.model, self.keep, self.cache_bytes, self.rederive = model, keep, cache_bytes, rederive
         self._engines: OrderedDict[tuple, tuple[Engine, PrefixCache]] = OrderedDict()
 
     def load(self, source: str | os.PathLike | None, n_ctx: int, kv_type: str) -> Engine:
         """The engine of a registry name or path (None: the default model), loaded once per (file, n_ctx, kv_type)."""
-        return self._get(("source", str(source), n_ctx, kv_type), lambda: Engine.load(source, n_ctx=n_ctx, kv_type=kv_type))[0]
+        return self._get(("source", str(source), n_ctx, kv_type), lambda: self._load(source, n_ctx, kv_type))[0]
 
     def for_record(self, record: Record) -> Engine:
         """The engine of the model ``record`` was computed with: the override, else the registry name or path the
@@ -38,13 +40,16 @@ class EngineCache:
             if source is None:
                 raise ManifestError(f"{record.path} was recorded with model sha256 {sha256[:16]}..., which is no registry "
                                     "model; pass that model's file with --model")  # fmt: skip
-            engine = Engine.load(source, n_ctx=record.n_ctx, kv_type=record.kv_type)
+            engine = self._load(source, record.n_ctx, record.kv_type)
             if engine.model_file.sha256 != sha256:
                 raise ManifestError(f"{record.path} was recorded with model sha256 {sha256[:16]}..., not "
                                     f"{engine.model_file.path.name} ({engine.model_file.sha256[:16]}...); pass that model with --model")  # fmt: skip
             return engine
 
         return self._get((sha256, record.n_ctx, record.kv_type), load)[0]
+
+    def _load(self, source: str | os.PathLike | None, n_ctx: int, kv_type: str) -> Engine:
+        return Engine.load(source, n_ctx=n_ctx, kv_type=kv_type, rederive=self.rederive)
 
     def __len__(self) -> int:
         """How many engines are loaded now."""

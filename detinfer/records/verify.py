@@ -194,10 +194,11 @@ def reexecute_file(path: str | os.PathLike, engines: EngineCache, options: Repla
 
 
 def verify(paths: Iterable[str | Path], *, model: str | None = None, options: ReplayOptions = ReplayOptions(),
-           on_result: Callable[[Outcome], None] | None = None) -> list[Outcome]:  # fmt: skip
+           on_result: Callable[[Outcome], None] | None = None, rederive: bool = False) -> list[Outcome]:  # fmt: skip
     """Re-execute every record under ``paths`` (files, or folders searched for ``*.json``): one outcome per file, in
-    order. ``model`` overrides the recorded model's file. Raises ManifestError for a path that does not exist."""
-    engines = EngineCache(model)
+    order. ``model`` overrides the recorded model's file; ``rederive`` loads every model from its GGUF alone
+    (:class:`EngineCache`). Raises ManifestError for a path that does not exist."""
+    engines = EngineCache(model, rederive=rederive)
     outcomes = []
     for path in collect(paths):
         outcomes.append(reexecute_file(path, engines, options))
