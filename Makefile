@@ -37,9 +37,11 @@ BOUNDSCHECK_TESTS := tests/test_kernels.py tests/test_quants.py tests/test_arch.
 test-boundscheck: pull
 	NUMBA_BOUNDSCHECK=1 NUMBA_CACHE_DIR=$(CURDIR)/.numba-boundscheck $(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" $(BOUNDSCHECK_TESTS)
 
+# The --threads 1 pass uses no derived file (GGUF index, tokenizer caches, repacked weights, numba's compiled kernels):
+# everything from the GGUFs alone, so no damaged file under $DETINFER_HOME can make it agree.
 verify: pull
 	$(BIN)/detinfer pull gemma3-270m-q4_k_m
-	$(BIN)/detinfer verify --threads 1
+	$(BIN)/detinfer verify --threads 1 --rederive
 	$(BIN)/detinfer verify --threads 2
 
 # Cross-machine proof (scripts/portability.py): committed manifests and goldens of both models re-executed bit for bit

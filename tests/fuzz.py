@@ -1007,6 +1007,7 @@ def cache_corpus(corpus: Corpus) -> CacheCorpus:
 
         f = _factory()
         n_tokens = len(f.bpe_vocab()[0])
+        (corpus.folder / "cache").mkdir(parents=True, exist_ok=True)
         model = f.write_tiny_gguf(corpus.folder / "cache" / "tiny-spm.gguf", matrix_type="Q4_1", extra_metadata={
             "tokenizer.ggml.model": ("llama", V.STRING), "tokenizer.ggml.scores": ([-i for i in range(n_tokens)], V.ARRAY)})
         home = corpus.folder / "cache" / "home"
