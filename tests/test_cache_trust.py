@@ -449,6 +449,25 @@ def test_cli_rederive_compiles_into_a_fresh_jit_cache(home: Home, model_path: Pa
     assert list(scratch.iterdir()) == [], "the fresh JIT cache is removed at exit"
 
 
+@pytest.mark.parametrize("verb", ["verify", "batch"])
+def test_cli_rederive_is_refused_with_ray(home: Home, tmp_path: Path, verb: str):
+    """A Ray worker would load its node's derived files, so `--rederive --ray` is one line and exit 2 before any
+    work: nothing written, no address contacted (the port is closed)."""
+    record = tmp_path / "in.jsonl"
+    record.write_text("{}\n")
+    args = [verb, record, "--rederive", "--ray", "127.0.0.1:9"]
+    if verb == "batch":
+        args += ["--out-dir", tmp_path / "out"]
+    r = _detinfer(home.path, *args)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--rederive" in lines[0] and "drop --ray" in lines[0], r.stderr
+    assert not (tmp_path / "out").exists()
+    # negative control: without --ray the same command gets past that check (and fails on the record instead)
+    r = _detinfer(home.path, *args[:3], *args[5:])
+    assert r.returncode == 2 and "drop --ray" not in r.stderr, r.stderr
+
+
 # ------------------------------------------------------------------------------------------ writes killed mid-way
 
 WRITER = textwrap.dedent("""
