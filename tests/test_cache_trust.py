@@ -30,6 +30,7 @@ from typing import Callable
 
 import numpy as np
 import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 import detinfer
 from detinfer.errors import GGUFError
@@ -37,10 +38,9 @@ from detinfer.fileio import seal
 from detinfer.model import gguf_file, weights_cache
 from detinfer.model.config import ModelConfig
 from detinfer.model.gguf_file import ModelFile, header_image
-from detinfer.model.quants import QK_K
+from detinfer.model.quants import QK_K, SUPPORTED_TYPES
 from detinfer.model.tokenizer import Tokenizer
 from detinfer.model.weights import QMatrix, open_store
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 6
@@ -221,7 +221,7 @@ def test_store_damage_would_change_the_outcome_unchecked(home: Home, model_path:
         assert _contract(model_path)["output"] != home.contract["output"]
 
 
-@pytest.mark.parametrize("ggml_type", sorted(gguf_file.SUPPORTED_TYPES, key=int), ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", sorted(SUPPORTED_TYPES), ids=lambda t: t.name)
 def test_the_expected_store_layout_is_what_a_repack_gives(ggml_type: GGMLQuantizationType):
     """QMatrix.specs, which every descriptor is checked against before mapping, is what QMatrix.from_raw makes."""
     n_in = 2 * QK_K

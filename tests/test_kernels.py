@@ -32,8 +32,8 @@ from detinfer.compute import kernels
 from detinfer.compute.linear import Activations, matmul
 from detinfer.compute.numerics import fma32
 from detinfer.model import weights
-from detinfer.model.gguf_file import SUPPORTED_TYPES, ModelFile
-from detinfer.model.quants import F16_TO_F32
+from detinfer.model.gguf_file import ModelFile
+from detinfer.model.quants import F16_TO_F32, SUPPORTED_TYPES
 from detinfer.model.weights import QMatrix
 
 U = 2.0**-24  # unit roundoff of float32
@@ -246,7 +246,7 @@ def run_matmul(mat: QMatrix, x: np.ndarray) -> np.ndarray:
 
 
 def test_every_supported_type_has_matmul_tests():
-    """The types a model file may hold (gguf_file.SUPPORTED_TYPES) are exactly those the matmul tests cover."""
+    """The types a model file may hold (quants.SUPPORTED_TYPES) are exactly those the matmul tests cover."""
     assert set(MATRIX_TYPES) == SUPPORTED_TYPES
 
 

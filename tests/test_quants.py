@@ -9,9 +9,10 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from detinfer.model.gguf_file import SUPPORTED_TYPES, ModelFile
+from detinfer.model.gguf_file import ModelFile
 from detinfer.model.quants import (
     F16_TO_F32,
+    SUPPORTED_TYPES,
     dequantize,
     dequantize_row,
     f32_to_f16_array,
@@ -177,7 +178,7 @@ def random_rows(qtype: T, n_rows: int, n_cols: int, rng: np.random.Generator) ->
 
 
 def test_every_supported_type_has_dequantization_tests():
-    """The types a model file may hold (gguf_file.SUPPORTED_TYPES) are exactly those tested here."""
+    """The types a model file may hold (quants.SUPPORTED_TYPES) are exactly those tested here."""
     assert set(ALL_TYPES) == SUPPORTED_TYPES
 
 

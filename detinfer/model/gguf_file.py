@@ -31,29 +31,20 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueTy
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..errors import GGUFError
-from ..fileio import (DamagedCache, parse_json, read_sealed_cache, remove_dead_temp_files, sha256_file,
-                      warn_damaged_cache, write_sealed_cache)  # fmt: skip
+from ..fileio import (
+    DamagedCache,
+    parse_json,
+    read_sealed_cache,
+    remove_dead_temp_files,
+    sha256_file,
+    warn_damaged_cache,
+    write_sealed_cache,
+)
 from ..paths import detinfer_home
+from .quants import SUPPORTED_TYPES, supported_type_names
 
 INDEX_VERSION = 3
 HEADER_KEY_BYTES = 16 << 20  # Gemma 3's 262k-token header is ~6 MB
-
-# Tensor types the kernels implement; anything else is rejected at load, naming the tensor.
-SUPPORTED_TYPES = frozenset(
-    {
-        GGMLQuantizationType.F32,
-        GGMLQuantizationType.F16,
-        GGMLQuantizationType.BF16,
-        GGMLQuantizationType.Q8_0,
-        GGMLQuantizationType.Q4_0,
-        GGMLQuantizationType.Q4_1,
-        GGMLQuantizationType.Q5_0,
-        GGMLQuantizationType.Q5_1,
-        GGMLQuantizationType.Q4_K,
-        GGMLQuantizationType.Q5_K,
-        GGMLQuantizationType.Q6_K,
-    }
-)
 
 
 @dataclass(frozen=True)
@@ -433,12 +424,7 @@ class ModelFile:
 
         Raises GGUFError if the tensor is missing or its type is not supported by the engine.
         """
-        info = self.tensor(name)
-        if info.ggml_type not in SUPPORTED_TYPES:
-            raise GGUFError(
-                f"{self.path.name}: tensor {name!r} has type {info.type_name}, which detinfer does not support "
-                f"(supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))})"
-            )
+        info = self.supported_tensor(name)
         raw = self._mmap[info.offset : info.offset + info.nbytes]
         n_rows = int(np.prod(info.ne[1:], dtype=np.int64)) if len(info.ne) > 1 else 1
         return raw.view(np.ndarray).reshape(n_rows, info.nbytes // n_rows)
@@ -462,6 +448,16 @@ class ModelFile:
         if name not in self.tensors:
             raise GGUFError(f"{self.path.name}: tensor {name!r} is missing")
         return self.tensors[name]
+
+    def supported_tensor(self, name: str) -> TensorInfo:
+        """The TensorInfo of ``name``; raises GGUFError if it is missing or of a type detinfer does not run."""
+        info = self.tensor(name)
+        if info.ggml_type not in SUPPORTED_TYPES:
+            raise GGUFError(
+                f"{self.path.name}: tensor {name!r} has type {info.type_name}, which detinfer does not support "
+                f"(supported: {supported_type_names()})"
+            )
+        return info
 
     def type_counts(self) -> dict[str, int]:
         """Number of tensors of each type, e.g. {'F32': 61, 'Q4_1': 210, 'Q8_0': 1}."""

@@ -500,19 +500,13 @@ def unpack_k_rows(ggml_type_id, raw, codes, sc, m, d, dmin):
                 c[QK_K * s + e] = _q4_k_code(row, o, e) if bb == 144 else _q5_k_code(row, o, e)
 
 
-_SUPPORTED = (
-    GGMLQuantizationType.F32,
-    GGMLQuantizationType.F16,
-    GGMLQuantizationType.BF16,
-    GGMLQuantizationType.Q8_0,
-    GGMLQuantizationType.Q4_0,
-    GGMLQuantizationType.Q4_1,
-    GGMLQuantizationType.Q5_0,
-    GGMLQuantizationType.Q5_1,
-    GGMLQuantizationType.Q4_K,
-    GGMLQuantizationType.Q5_K,
-    GGMLQuantizationType.Q6_K,
-)
+# The tensor types detinfer runs: exactly those with a row dequantizer.
+SUPPORTED_TYPES = frozenset(GGMLQuantizationType(t) for t in DEQUANT_ROW)
+
+
+def supported_type_names() -> str:
+    """The supported GGML type names, comma-separated in type-id order, for error messages."""
+    return ", ".join(t.name for t in sorted(SUPPORTED_TYPES))
 
 
 def dequantize(raw_2d: np.ndarray, ggml_type: GGMLQuantizationType | int) -> np.ndarray:
@@ -526,8 +520,8 @@ def dequantize(raw_2d: np.ndarray, ggml_type: GGMLQuantizationType | int) -> np.
         qtype = GGMLQuantizationType(int(ggml_type))
     except ValueError:
         raise ValueError(f"unknown GGML type id {int(ggml_type)}") from None
-    if qtype not in _SUPPORTED:
-        raise ValueError(f"GGML type {qtype.name} is not supported (supported: {', '.join(t.name for t in _SUPPORTED)})")
+    if qtype not in SUPPORTED_TYPES:
+        raise ValueError(f"GGML type {qtype.name} is not supported (supported: {supported_type_names()})")
     if raw_2d.dtype != np.uint8 or raw_2d.ndim != 2:
         raise ValueError(f"raw_2d must be a 2-d uint8 array, got {raw_2d.dtype} with shape {raw_2d.shape}")
     block_size, type_size = GGML_QUANT_SIZES[qtype]

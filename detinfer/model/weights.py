@@ -21,7 +21,7 @@ from ..errors import GGUFError
 from . import quants, weights_cache
 from .arch import ARCHITECTURES
 from .config import ModelConfig, tensor_shapes
-from .gguf_file import SUPPORTED_TYPES, ModelFile
+from .gguf_file import ModelFile
 from .quants import QK, QK_K, dequantize, unpack_k_rows, unpack_q5_codes
 
 Q = GGMLQuantizationType
@@ -185,14 +185,9 @@ def validate_tensors(mf: ModelFile, shapes: dict[str, tuple[int, ...]]) -> None:
     Raises GGUFError naming the first tensor that is missing, misshapen or of an unsupported type.
     """
     for name, shape in shapes.items():
-        info = mf.tensor(name)
+        info = mf.supported_tensor(name)
         if info.shape != shape:
             raise GGUFError(f"{mf.path.name}: tensor {name!r} has shape {info.shape}, expected {shape}")
-        if info.ggml_type not in SUPPORTED_TYPES:
-            raise GGUFError(
-                f"{mf.path.name}: tensor {name!r} has type {info.type_name}, which detinfer does not support "
-                f"(supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))})"
-            )
         if len(shape) == 1 and info.ggml_type != Q.F32:
             raise GGUFError(f"{mf.path.name}: vector tensor {name!r} has type {info.type_name}, expected F32")
 
