@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_helpers import cli
+from cli_helpers import cli, one_error_line
 from gguf_factory import CHATML, write_tiny_gguf
 
 from detinfer.records.manifest import (
@@ -168,6 +168,59 @@ def test_help_lists_commands(home: Path):
     ok(r)
     for command in ("run", "info", "models", "pull"):
         assert command in r.stdout
+
+
+def _command_paths(command, path=()):
+    """Every command and group of the click tree under ``command``, as argument paths (() is the root)."""
+    yield path
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from _command_paths(sub, (*path, name))
+
+
+def test_every_help_shows_flags_as_flags_and_version_prints(home: Path):
+    """-h works everywhere and no on/off option reads as taking a value (``<bool>``); --version and -V print the
+    version. Negative control: a plain typer app with a bool option does render ``<bool>``."""
+    import typer
+    from typer.testing import CliRunner
+
+    from detinfer.cli import app
+    from detinfer.version import __version__
+
+    paths = list(_command_paths(typer.main.get_command(app)))
+    assert len(paths) > 15 and ("session", "run") in paths and ("kv", "inspect") in paths
+    for path in paths:
+        r = cli(home, *path, "-h")
+        ok(r)
+        assert "Show this message and exit." in r.stdout and "<bool>" not in r.stdout, (path, r.stdout)
+    for spelling in ("--version", "-V"):
+        r = cli(home, spelling)
+        ok(r)
+        assert r.stdout == f"detinfer {__version__}\n"
+
+    plain = typer.Typer()
+
+    @plain.command()
+    def _one(quiet: bool = False) -> None:
+        pass
+
+    assert "<bool>" in CliRunner().invoke(plain, ["--help"], env={"COLUMNS": "200"}).stdout
+
+
+def test_cache_key_of_a_name_and_of_its_file_agree(home: Path, model_path: Path, tmp_path: Path):
+    """``detinfer cache-key``: a registry name needs no download (CI computes the key before pulling) and gives the
+    key of the same file given by path; another model gives another key; a missing or non-GGUF path is one line."""
+    from detinfer.integrations.ci_report import cache_key
+
+    by_name = cli(home, "cache-key", "smollm2-135m-instruct-q4_1")  # the isolated home holds no model
+    ok(by_name)
+    assert by_name.stdout == cache_key("smollm2-135m-instruct-q4_1") + "\n" == cli(home, "cache-key").stdout
+    by_path = cli(home, "cache-key", model_path)
+    ok(by_path)
+    assert by_path.stdout == by_name.stdout
+    assert cli(home, "cache-key", "gemma3-270m-q4_k_m").stdout != by_name.stdout
+    one_error_line(cli(home, "cache-key", tmp_path / "absent.gguf"), "does not exist", "registry name")
+    (tmp_path / "text.gguf").write_text("not a model")
+    one_error_line(cli(home, "cache-key", tmp_path / "text.gguf"), "not a GGUF file")
 
 
 # ------------------------------------------------------------------------------------------ synthetic model

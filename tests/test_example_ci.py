@@ -14,11 +14,13 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+import yaml
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "ci"
 SNAPSHOTS = Path("tests/__snapshots__/test_prompts")
 CAPITAL = SNAPSHOTS / "test_prompt[capital].json"
 DETINFER = [sys.executable, "-m", "detinfer.cli"]
+WORKFLOW = EXAMPLE / ".github" / "workflows" / "detinfer.yml"
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +139,43 @@ def test_verify_writes_junit_and_github_annotations(project: Path, tmp_path: Pat
     assert "%0A  first divergent step 5" in annotations[0]
     r = run([*DETINFER, "verify", *files, "--threads", "1"], project)  # off GitHub: no annotation lines
     assert r.returncode == 1 and "::error" not in r.stdout
+
+
+def workflow_step(name: str) -> str:
+    """The shell script of the example workflow's step whose name starts with ``name``."""
+    steps = yaml.safe_load(WORKFLOW.read_text())["jobs"]["determinism"]["steps"]
+    return next(step["run"] for step in steps if step.get("name", "").startswith(name))
+
+
+def run_step(name: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    """A workflow step as GitHub runs it (bash -e), with this interpreter's ``detinfer`` first on PATH."""
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    return run(["bash", "-eo", "pipefail", "-c", workflow_step(name)], cwd,
+               PATH=path, DETINFER_MODEL="smollm2-135m-instruct-q4_1", **env)  # fmt: skip
+
+
+def test_the_workflow_cache_key_step(tmp_path: Path):
+    """The step writes ``key=`` + the key of the model the workflow names to $GITHUB_OUTPUT."""
+    from detinfer.integrations.ci_report import cache_key
+
+    output = tmp_path / "github_output"
+    r = run_step("Cache key", tmp_path, GITHUB_OUTPUT=str(output))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert output.read_text() == f"key={cache_key('smollm2-135m-instruct-q4_1')}\n"
+
+
+def test_the_workflow_verify_step_runs_what_exists(tmp_path: Path):
+    """With neither manifests/ nor sessions/ the step says so and passes; with manifests/ alone it verifies those
+    (the control: the same step does run verify, whose report lists each manifest)."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    r = run_step("Manifests and session records", bare)
+    assert r.returncode == 0 and "nothing for detinfer verify" in r.stdout, r.stdout + r.stderr
+    assert not (bare / "verify.xml").exists()
+
+    some = tmp_path / "some"
+    shutil.copytree(EXAMPLE / "manifests", some / "manifests")
+    r = run_step("Manifests and session records", some, NUMBA_NUM_THREADS="1")
+    assert r.returncode == 0 and "nothing for" not in r.stdout, r.stdout + r.stderr
+    suite = ET.parse(some / "verify.xml").getroot().find("testsuite")
+    assert suite.get("tests") == str(len(list((EXAMPLE / "manifests").glob("*.json")))) and suite.get("failures") == "0"

@@ -11,9 +11,9 @@ from rich.table import Table
 
 from .. import api
 from ..errors import DetinferError
-from .common import ModelOpt, ThreadsOpt, app, err, fail, flag, out, warn
+from .common import App, ModelOpt, ThreadsOpt, app, err, fail, flag, out, warn
 
-bench_app = typer.Typer()
+bench_app = App()
 app.add_typer(bench_app, name="bench")
 
 

@@ -28,7 +28,35 @@ def _version(value: bool) -> None:
         raise typer.Exit(0)
 
 
-app = typer.Typer(
+class _FlagHelp:
+    """--help/-h shown as a flag: typer gives the help option no metavar, so its help renders it as ``<bool>``."""
+
+    def get_help_option(self, ctx: Any) -> Any:
+        option = super().get_help_option(ctx)  # type: ignore[misc]
+        if option is not None:
+            option.metavar = ""
+        return option
+
+
+class _Command(_FlagHelp, typer.core.TyperCommand):
+    pass
+
+
+class _Group(_FlagHelp, typer.core.TyperGroup):
+    pass
+
+
+class App(typer.Typer):
+    """The one typer app class of the CLI, the root and its groups (session, kv, bench): help shown as a flag."""
+
+    def __init__(self, *args: Any, cls: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, cls=cls or _Group, **kwargs)
+
+    def command(self, *args: Any, cls: Any = None, **kwargs: Any) -> Any:
+        return super().command(*args, cls=cls or _Command, **kwargs)
+
+
+app = App(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,

@@ -59,3 +59,17 @@ def info(
     out.print(kv)
     cfg = mi.config
     out.print(f"kv_width = n_head_kv × head_dim = {cfg.n_head_kv} × {cfg.head_dim} = {cfg.kv_width}; n_layer = {cfg.n_layer}")
+
+
+@app.command("cache-key")
+def cache_key(
+    model: Annotated[Optional[str], typer.Argument(help="Registry name or .gguf path (default: the default model).")] = None,
+) -> None:
+    """Print the CI cache key of a model and its compiled kernels (detinfer, numba and Python versions, the model's
+    sha256, this CPU's instruction-set level and name): a runner of another CPU or version never restores it."""
+    from ..integrations.ci_report import cache_key as key
+
+    try:
+        out.print(key(model), soft_wrap=True)
+    except DetinferError as e:
+        fail(e)

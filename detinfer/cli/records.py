@@ -22,6 +22,7 @@ from ..integrations.ci_report import github_annotations, write_junit
 from .common import (
     DEFAULT_CACHE_BYTES,
     ActorsOpt,
+    App,
     CacheBytesOpt,
     ChatTemplateOpt,
     CtxOpt,
@@ -187,8 +188,8 @@ def replay(
     raise typer.Exit(api.exit_code(outcomes))
 
 
-session_app = typer.Typer(help="Scripted multi-turn sessions.", no_args_is_help=True)
-kv_app = typer.Typer(help="KV cache snapshot files (.detkv).", no_args_is_help=True)
+session_app = App(help="Scripted multi-turn sessions.", no_args_is_help=True)
+kv_app = App(help="KV cache snapshot files (.detkv).", no_args_is_help=True)
 app.add_typer(session_app, name="session")
 app.add_typer(kv_app, name="kv")
 

@@ -69,22 +69,23 @@ def cpu_level() -> str:
     return f"{level}-{ll.get_host_cpu_name()}"
 
 
-def cache_key(model: str | None = None) -> str:
+def cache_key(model: str | os.PathLike | None = None) -> str:
     """The CI cache key of a model and its compiled kernels: detinfer, numba and Python versions (numba's cache
-    entries hold code for one Python), the model's sha256 (registry name, default the registry's default model) and
-    :func:`cpu_level`."""
+    entries hold code for one Python), the model's sha256 and :func:`cpu_level`.
+
+    ``model``: a registry name (default the registry's default model; its sha256 comes from the registry, so the
+    key is known before the model is pulled) or a .gguf path (hashed). Raises GGUFError for a path that does not
+    exist or is not a GGUF file, naming the registry models.
+    """
     import platform
 
     import numba
 
-    from ..model.registry import DEFAULT_MODEL, get_entry
+    from ..model.gguf_file import ModelFile
+    from ..model.registry import DEFAULT_MODEL, REGISTRY, resolve_model
     from ..version import __version__
 
+    model = DEFAULT_MODEL if model is None else model
+    sha256 = REGISTRY[model].sha256 if model in REGISTRY else ModelFile(resolve_model(model)).sha256
     versions = f"detinfer-{__version__}-numba-{numba.__version__}-py{platform.python_version()}"
-    return f"{versions}-{get_entry(model or DEFAULT_MODEL).sha256[:16]}-{cpu_level()}"
-
-
-if __name__ == "__main__":  # python -m detinfer.integrations.ci_report [MODEL]: print the CI cache key (examples/ci/)
-    import sys
-
-    print(cache_key(sys.argv[1] if len(sys.argv) > 1 else None))
+    return f"{versions}-{sha256[:16]}-{cpu_level()}"
