@@ -25,7 +25,7 @@ run: pull
 	$(BIN)/detinfer run --manifest run.json --quiet $(THREAD_OPT)
 
 test: pull
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest --durations=15
 
 # The kernel-facing tests once more with numba's bounds checking on (its own JIT cache: numba's cache key ignores the
 # flag): an index that validation missed becomes an IndexError instead of a silent out-of-bounds read. Bounds-checked

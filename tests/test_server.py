@@ -553,3 +553,122 @@ def test_chat_template_option_for_a_model_without_one(gemma_path, tmp_path):
     record = load_session(next(tmp_path.glob("session-*.json")))
     assert record.chat_template.name == "gemma"
     assert all(not diffs for _, diffs, _ in replay_turns(engine, record))
+
+
+# ------------------------------------------------------------------------------------------ --kv-dir restarts
+
+
+def _ask(running: _Running, question: str) -> tuple[dict, httpx.Headers]:
+    r = httpx.post(running.url + "/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "max_tokens": 8, "temperature": 0,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]})  # fmt: skip
+    assert r.status_code == 200, r.text
+    return r.json(), r.headers
+
+
+def _once(engine, question: str, **settings) -> tuple[dict, httpx.Headers]:
+    """A server started, asked one question and stopped (its lifespan ends: queued snapshot writes finish)."""
+    running = _Running(create_app(engine, ServerSettings(threads=1, **settings)))
+    try:
+        return _ask(running, question)
+    finally:
+        running.stop()
+
+
+def _same_reply(a, b) -> None:
+    assert a[0]["choices"][0]["message"] == b[0]["choices"][0]["message"]
+    for header in ("x-detinfer-output-sha256", "x-detinfer-kv-sha256"):
+        assert a[1][header] == b[1][header]
+
+
+def test_a_restarted_server_with_a_kv_dir_is_warm_with_the_same_bytes(engine, tmp_path: Path, caplog):
+    """serve --kv-dir: the first request after a restart reuses the prompt from the folder (cached_tokens > 0) and
+    answers byte for byte as the cold run did. Controls: a restart without the folder is cold; a snapshot file
+    damaged on disk is refused with a warning and the run is cold, same bytes; a budget below one file keeps none."""
+    question = "Name three primary colors and say why they are called primary."
+    kv = tmp_path / "kv"
+    cold = _once(engine, question, kv_dir=kv)
+    assert cold[0]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    files = list(kv.glob("*.detkv"))
+    assert len(files) == 1 and not list(kv.glob(".*.tmp"))
+    saved = files[0].read_bytes()
+
+    warm = _once(engine, question, kv_dir=kv)
+    usage = warm[0]["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
+    _same_reply(cold, warm)
+    assert list(kv.glob("*.detkv")) == files and files[0].read_bytes() == saved  # the same cache: same name, same bytes
+
+    without = _once(engine, question)
+    assert without[0]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    _same_reply(cold, without)
+
+    for f in kv.glob("*.detkv"):  # one bit of K/V changed in every file: the checksum no longer holds
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 1
+        f.write_bytes(bytes(data))
+    with caplog.at_level("WARNING", logger="detinfer.kv_dir"):
+        damaged = _once(engine, question, kv_dir=kv)
+    assert damaged[0]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    _same_reply(cold, damaged)
+    assert any("checksum mismatch" in r.getMessage() for r in caplog.records), caplog.text
+
+    tight = tmp_path / "tight"
+    _once(engine, question, kv_dir=tight, kv_dir_bytes=1000)
+    assert not list(tight.glob("*.detkv"))
+
+
+def test_a_kv_dir_that_is_a_file_is_one_line(tmp_path: Path, model_path: Path):
+    from cli_helpers import detinfer, one_error_line
+
+    (tmp_path / "file").write_text("x")
+    r = detinfer(tmp_path / "home", "serve", "--model", model_path, "--kv-dir", tmp_path / "file", "--port", "0")
+    one_error_line(r, "--kv-dir")
+
+
+def test_previous_response_id_continues_a_response_recorded_before_a_restart(engine, tmp_path: Path, caplog):
+    """With --record, a response's conversation is kept in the record folder: after a restart previous_response_id
+    continues it exactly as sending the whole conversation does. Controls: a restart without --record is a 400
+    naming previous_response_id; a damaged file is a 400 with a warning, never used."""
+    record = tmp_path / "runs"
+    kw = {"model": MODEL, "max_output_tokens": 8, "temperature": 0}
+
+    def post(running: _Running, **body) -> httpx.Response:
+        return httpx.post(running.url + "/v1/responses", timeout=120, json={**kw, **body})
+
+    running = _Running(create_app(engine, ServerSettings(threads=1, record_dir=record)))
+    try:
+        first = post(running, input="Name a primary color.").json()
+    finally:
+        running.stop()
+    answer = first["output"][0]["content"][0]["text"]
+    [saved] = list((record / "responses").rglob("*.response"))
+    assert saved.name == first["id"] + ".response"
+
+    running = _Running(create_app(engine, ServerSettings(threads=1, record_dir=record)))
+    try:
+        follow = post(running, input="Name another one.", previous_response_id=first["id"])
+        whole = post(running, input=[{"role": "user", "content": "Name a primary color."},
+                                     {"role": "assistant", "content": answer},
+                                     {"role": "user", "content": "Name another one."}])  # fmt: skip
+        assert follow.status_code == 200 and whole.status_code == 200, follow.text + whole.text
+        assert follow.json()["output"][0]["content"] == whole.json()["output"][0]["content"]
+        assert follow.json()["usage"]["input_tokens"] == whole.json()["usage"]["input_tokens"]
+        saved.write_text('{"id": "' + first["id"] + '", "conversation": [')
+        saved_id = first["id"]
+        running.stop()
+        running = _Running(create_app(engine, ServerSettings(threads=1, record_dir=record)))
+        with caplog.at_level("WARNING", logger="detinfer.serve"):
+            damaged = post(running, input="Name another one.", previous_response_id=saved_id)
+        assert damaged.status_code == 400 and damaged.json()["error"]["param"] == "previous_response_id"
+        assert any(saved.name in r.getMessage() for r in caplog.records), caplog.text
+    finally:
+        running.stop()
+
+    running = _Running(create_app(engine, ServerSettings(threads=1)))
+    try:
+        cold = post(running, input="Name another one.", previous_response_id=first["id"])
+    finally:
+        running.stop()
+    assert cold.status_code == 400 and cold.json()["error"]["param"] == "previous_response_id"
+    assert "--record" in cold.json()["error"]["message"]

@@ -48,10 +48,12 @@ def serve(
     drain: Annotated[float, typer.Option("--drain", min=0.0, help="On SIGTERM, seconds running requests may finish before they are cancelled.")] = 5.0,
     read_timeout: Annotated[float, typer.Option("--read-timeout", min=0.1, help="Seconds a client has to send a request's headers, and then its body.")] = 10.0,
     alias: Annotated[Optional[list[str]], typer.Option("--alias", help="Another name a request's model may give (repeatable); others are a 404.")] = None,
+    kv_dir: Annotated[Optional[Path], typer.Option("--kv-dir", help="Keep the prefix cache's KV snapshots in this folder too (.detkv): a restarted server is warm.")] = None,
+    kv_dir_bytes: Annotated[int, typer.Option("--kv-dir-bytes", min=0, help="Byte budget of this model's files in --kv-dir (oldest deleted first).")] = 4 << 30,
 ) -> None:
     """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
     try:
-        check_outputs({}, {"--record": record_dir})
+        check_outputs({}, {"--record": record_dir, "--kv-dir": kv_dir})
         sock = listen.bind(host, port)
         llm = api.load(model, n_ctx=ctx, kv_type=kv_type, threads=threads, chat_template=chat_template)  # the decode worker sets threads again on its own thread
         engine = llm.engine
@@ -59,7 +61,7 @@ def serve(
         settings = ServerSettings(max_queue=max_queue, max_inflight=max_inflight, threads=threads, cache_bytes=cache_bytes,
                                   record_dir=record_dir, api_key=api_key or None, send_timeout=send_timeout,
                                   chat_template=llm.chat_template, drain_s=drain, body_timeout=read_timeout,
-                                  aliases=tuple(alias or ()))
+                                  aliases=tuple(alias or ()), kv_dir=kv_dir, kv_dir_bytes=kv_dir_bytes)
         app_ = create_app(engine, settings)
     except DetinferError as e:
         fail(e)

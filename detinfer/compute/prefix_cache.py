@@ -9,7 +9,7 @@ One PrefixCache serves one model and KV type; the snapshots carry no model ident
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
@@ -24,20 +24,35 @@ def _shared_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if diff.size else n
 
 
+class SnapshotStore(Protocol):
+    """Where a PrefixCache keeps its snapshots beyond memory and process (records/kv_dir.py): ``candidates`` lists
+    (token ids, handle) of what it holds, ``load`` returns a handle's checked snapshot (truncatable) or None,
+    ``save`` keeps a snapshot without blocking."""
+
+    def candidates(self) -> list[tuple[np.ndarray, Any]]: ...
+
+    def load(self, handle: Any) -> KVSnapshot | None: ...
+
+    def save(self, snap: KVSnapshot) -> None: ...
+
+
 class PrefixCache:
     """An in-memory LRU map from token-id sequences to KV snapshots, holding at most ``max_bytes`` of K/V.
 
     A stored snapshot whose tokens are a prefix of another stored (truncatable) one is redundant and is dropped,
-    since the longer one serves every lookup the shorter would. Raises InputError if ``max_bytes`` is negative.
+    since the longer one serves every lookup the shorter would. With ``store``, every snapshot kept is also saved
+    there, and a lookup uses a stored snapshot when it serves a longer prefix than memory does (it is then kept in
+    memory too). Raises InputError if ``max_bytes`` is negative.
     """
 
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, store: SnapshotStore | None = None):
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, (int, np.integer)) or max_bytes < 0:
             raise InputError(f"prefix cache size must be a whole number of bytes >= 0, got {max_bytes!r}")
         self.max_bytes = int(max_bytes)
         self._entries: OrderedDict[tuple[int, ...], tuple[np.ndarray, KVSnapshot]] = OrderedDict()  # oldest first
         self._nbytes = 0
         self._geometry: tuple[str, tuple[int, int, int]] | None = None
+        self.backing = store
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -74,6 +89,16 @@ class PrefixCache:
                 k = ids.shape[0] if shared == ids.shape[0] and ids.shape[0] <= limit else 0
             if k > best_k:
                 best_k, best_key = k, key
+        if self.backing is not None:
+            stored = sorted(((min(_shared_prefix(ids, query), limit), i, handle)
+                             for i, (ids, handle) in enumerate(self.backing.candidates())), reverse=True)  # fmt: skip
+            for k, _, handle in stored:
+                if k <= best_k:
+                    break
+                snap = self.backing.load(handle)
+                if snap is not None:
+                    self._keep(snap)
+                    return k, snap
         if best_key is None:
             return 0, None
         self._entries.move_to_end(best_key)
@@ -116,13 +141,27 @@ class PrefixCache:
         snap = source.snapshot() if isinstance(source, KVCache) else source
         for other in covered:
             self._drop(other)
-        key = tuple(snap.tokens)
-        self._entries[key] = (ids, snap)
+        self._add(ids, snap)
+        if self.backing is not None:
+            self.backing.save(snap)
+        return True
+
+    def _keep(self, snap: KVSnapshot) -> None:
+        """Hold a snapshot loaded from the store in memory too (not saved back), if it fits."""
+        if (snap.kv_type, snap.shape) != (self._geometry or (snap.kv_type, snap.shape)) or snap.nbytes > self.max_bytes:
+            return
+        ids = np.asarray(snap.tokens, dtype=np.int64)
+        for other in [key for key, (other_ids, _) in self._entries.items()
+                      if _shared_prefix(ids, other_ids) == other_ids.shape[0]]:  # fmt: skip
+            self._drop(other)
+        self._add(ids, snap)
+
+    def _add(self, ids: np.ndarray, snap: KVSnapshot) -> None:
+        self._entries[tuple(snap.tokens)] = (ids, snap)
         self._nbytes += snap.nbytes
-        self._geometry = geometry
+        self._geometry = (snap.kv_type, snap.shape)
         while self._nbytes > self.max_bytes:
             self._drop(next(iter(self._entries)))
-        return True
 
     def _drop(self, key: tuple[int, ...]) -> None:
         _, snap = self._entries.pop(key)

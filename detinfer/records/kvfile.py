@@ -178,6 +178,14 @@ def load_kv(
     return KVSnapshot(header.kv_type, tuple(header.tokens), tuple(k), tuple(v))
 
 
+def read_kv_header(path: str | os.PathLike) -> KVHeader:
+    """The header of a .detkv file, with its magic, version and length checked but not its checksum (a file's
+    arrays are checked when :func:`load_kv` reads them). Raises KVFileError as :func:`inspect_kv` does."""
+    path = Path(path)
+    with _opened(path) as (f, size):
+        return _read_header(path, f, size)[0]
+
+
 def inspect_kv(path: str | os.PathLike) -> dict[str, Any]:
     """Describe a .detkv file: format version, model, tokenizer, kv type, shape, tokens, sizes, checksum status and
     KV digest (``kv_sha256``, equal to the digest of the cache it was saved from).

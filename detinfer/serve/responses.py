@@ -4,7 +4,8 @@ A request's ``instructions`` and ``input`` items become chat messages (``message
 ``function_call`` items one assistant message with ``tool_calls``, ``function_call_output`` items ``tool`` messages),
 its flat function tools chat ``tools``; the prompt is rendered, generated, recorded and replayed exactly like a chat
 completion's. ``previous_response_id`` names an earlier response of this server: its conversation (input and reply,
-without its instructions; kept in memory for the last ``MAX_REMEMBERED`` responses) comes before the new input. Output items are the
+without its instructions; kept in memory for the last ``MAX_REMEMBERED`` responses, and with ``--record`` also
+in ``responses/<model sha256 prefix>/<id>.response`` there, so it survives a restart) comes before the new input. Output items are the
 reply's text (a ``message``) and its calls (``function_call`` items); ids derive from the prompt and sampling,
 never random. Streaming sends the Responses event sequence (``response.created`` ... ``response.completed``, or
 ``response.incomplete``). ``text.format`` (json_schema, json_object) is chat's ``response_format``, enforced, recorded
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import re
 import time
 from collections import OrderedDict
 from typing import Any
@@ -26,6 +29,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from ..compute.generate import GenerationResult
+from ..errors import InputError
+from ..fileio import load_json, publish_new
 from ..model.tool_parsers import Reply
 from ..records.manifest import tokens_sha256
 from .chat_completions import ChatCompletions, arguments_object
@@ -47,7 +52,9 @@ from .serving import (
 )
 from .worker import Job
 
-MAX_REMEMBERED = 256  # responses whose conversation previous_response_id can continue
+MAX_REMEMBERED = 256  # responses whose conversation previous_response_id can continue from memory
+_RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")
+_log = logging.getLogger("detinfer.serve")
 # a chat parameter -> the Responses parameter it comes from (for the 400s of the equivalent chat request)
 _PARAMS = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens", "messages": "input"}
 
@@ -133,16 +140,35 @@ class Responses:
     def __init__(self, server: Server, chat: ChatCompletions):
         self.server, self.chat = server, chat
         self.remembered: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+        record_dir = server.settings.record_dir
+        # per model: a response id hashes prompt and sampling, and another model answers the same prompt otherwise
+        self.folder = record_dir / "responses" / server.engine.model_file.sha256[:16] if record_dir is not None else None
+
+    def _conversation(self, response_id: str) -> list[dict[str, Any]]:
+        """The conversation of an earlier response: from memory, else from its file in the record folder (read as
+        any input is: bounded, its JSON checked; its messages are then validated as a request's are)."""
+        if response_id in self.remembered:
+            return self.remembered[response_id]
+        if self.folder is not None and _RESPONSE_ID.fullmatch(response_id):
+            path = self.folder / f"{response_id}.response"
+            try:
+                data = load_json(path, InputError, "recorded response")
+                if isinstance(data, dict) and data.get("id") == response_id and isinstance(data.get("conversation"), list):
+                    return data["conversation"]
+                _log.warning("%s: not a recorded response of this id; not used", path)
+            except InputError as e:
+                if path.exists():
+                    _log.warning("%s; not used", e)
+        where = "recorded in --record's folder" if self.folder is not None else "of this server (start it with --record to keep them)"
+        raise ApiError(400, f"previous_response_id {response_id!r} is not one of the last {MAX_REMEMBERED} responses nor "
+                            f"one {where}; send the whole conversation as input",
+                       param="previous_response_id", code="invalid_value")  # fmt: skip
 
     def _chat_request(self, req: ResponsesRequest) -> tuple[ChatRequest, list[dict[str, Any]]]:
         """The equivalent chat request, and the conversation (without instructions) a later response may continue."""
         messages = input_messages(req)
         if req.previous_response_id is not None:
-            if req.previous_response_id not in self.remembered:
-                raise ApiError(400, f"previous_response_id {req.previous_response_id!r} is not one of the last {MAX_REMEMBERED} "
-                                    "responses of this server; send the whole conversation as input",
-                               param="previous_response_id", code="invalid_value")  # fmt: skip
-            messages = self.remembered[req.previous_response_id] + messages
+            messages = self._conversation(req.previous_response_id) + messages
         # instructions are the request's own: a previous response's do not carry over (as OpenAI's)
         rendered = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + messages
         tools = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)} for t in req.tools or []]
@@ -162,10 +188,18 @@ class Responses:
 
     def _remember(self, job: Job, messages: list[dict[str, Any]], reply: Reply) -> str:
         response_id = _id("resp", job)
-        self.remembered[response_id] = messages + [reply.message()]
+        conversation = self.remembered[response_id] = messages + [reply.message()]
         self.remembered.move_to_end(response_id)
         while len(self.remembered) > MAX_REMEMBERED:
             self.remembered.popitem(last=False)
+        if self.folder is not None:  # the id hashes prompt and sampling, so a file already there holds this conversation
+            data = json.dumps({"id": response_id, "conversation": conversation}, ensure_ascii=False, sort_keys=True)
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                publish_new(self.folder / f"{response_id}.response", data.encode())
+            except OSError as e:
+                _log.warning("could not record response %s in %s (%s); it can be continued until a restart",
+                             response_id, self.folder, e.strerror or e)  # fmt: skip
         return response_id
 
     def _body(self, req: ResponsesRequest, response_id: str | None, created: int, output: list, res: GenerationResult | None,

@@ -43,6 +43,7 @@ from ..errors import ConstraintError
 from ..model.chat import ChatTemplate
 from ..model.registry import name_for_sha256
 from ..model.tool_parsers import Reply, ToolCallFormat, format_for_template
+from ..records.kv_dir import KVDir
 from ..records.manifest import tokens_sha256
 from ..version import __version__
 from .protocol import BODY_TIMEOUT_S, MAX_BODY_BYTES, ApiError, SamplingFields, Tool
@@ -63,6 +64,8 @@ class ServerSettings:
     drain_s: float = 5.0  # on shutdown: seconds running requests may go on before they are cancelled
     body_timeout: float = BODY_TIMEOUT_S  # seconds a client has to send the whole request body
     aliases: tuple[str, ...] = ()  # --alias: more names a request's ``model`` may give (as vLLM's --served-model-name)
+    kv_dir: Path | None = None  # --kv-dir: the prefix cache's snapshots also on disk, reloaded at start
+    kv_dir_bytes: int = 4 << 30  # --kv-dir-bytes: that folder's budget for this model's files
 
 
 STOP_S = 0.25  # seconds the app's shutdown waits for the decode thread (its jobs are cancelled by then)
@@ -85,8 +88,15 @@ class Server:
 
     def __init__(self, engine: Engine, settings: ServerSettings):
         self.engine, self.settings = engine, settings
+        kv_dir = None
+        if settings.kv_dir is not None:
+            cfg = engine.config
+            kv_dir = KVDir(settings.kv_dir, settings.kv_dir_bytes, model_sha256=engine.model_file.sha256,
+                           tokenizer_sha256=engine.tokenizer.hash, kv_type=engine.kv_type,
+                           shape=(cfg.n_layer, cfg.n_head_kv, cfg.head_dim))  # fmt: skip
         self.worker = Worker(engine, threads=settings.threads, cache_bytes=settings.cache_bytes,
-                             record_dir=settings.record_dir, chat_template=settings.chat_template, drain_s=STOP_S)
+                             record_dir=settings.record_dir, chat_template=settings.chat_template, drain_s=STOP_S,
+                             kv_dir=kv_dir)  # fmt: skip
         self.model_id = name_for_sha256(engine.model_file.sha256) or engine.model_file.path.stem
         path = engine.model_file.path
         # every name a request's model may give: registry name, file name, stem, then the aliases

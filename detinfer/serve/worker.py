@@ -25,6 +25,7 @@ from ..errors import DetinferError
 from ..fileio import parse_json
 from ..model.chat import ChatTemplate
 from ..model.tool_parsers import Reply, ToolCallFormat
+from ..records.kv_dir import KVDir
 from ..records.recorder import Exchange, Recorder
 from .protocol import ApiError
 from .schemas import ArgumentsValidator
@@ -86,10 +87,11 @@ class Worker:
     """The single decode thread (see the module docstring). ``record_dir``: record every finished job there."""
 
     def __init__(self, engine: Engine, *, threads: int | None, cache_bytes: int, record_dir: Path | None,
-                 chat_template: ChatTemplate | None, drain_s: float):  # fmt: skip
+                 chat_template: ChatTemplate | None, drain_s: float, kv_dir: KVDir | None = None):  # fmt: skip
         self.engine, self.threads, self.drain_s = engine, threads, drain_s
         self.jobs: queue.Queue[Job | None] = queue.Queue()
-        self.prefix = PrefixCache(cache_bytes)
+        self.kv_dir = kv_dir
+        self.prefix = PrefixCache(cache_bytes, store=kv_dir)
         self.recorder = Recorder(record_dir, engine, chat_template) if record_dir is not None else None
         self.thread = threading.Thread(target=self._loop, name="detinfer-decode", daemon=True)
         self.current: Job | None = None
@@ -111,6 +113,8 @@ class Worker:
             job.cancel.set()
         self.jobs.put(None)
         self.thread.join(timeout=self.drain_s)
+        if self.kv_dir is not None:
+            self.kv_dir.close(timeout=self.drain_s)
 
     def _loop(self) -> None:
         set_threads(self.threads)  # numba's thread count is per calling thread
