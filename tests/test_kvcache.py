@@ -320,6 +320,18 @@ def test_synthetic_round_trip_both_kv_types(tmp_path):
     assert load_kv(empty).n_tokens == 0
 
 
+@pytest.mark.parametrize("n_head_kv, tokens", [(1, [5, 6, 7]), (2, [5]), (1, [5])], ids=["one-head", "one-token", "both"])
+def test_round_trip_when_a_transposed_array_is_contiguous(tmp_path, n_head_kv, tokens):
+    """With one KV head (Gemma 3 270M) or one token, a layer read from the file is already contiguous after its
+    transpose: every layer must still be its own copy (a view of the read buffer held the last layer's V in all).
+    The control is the two-head, several-token round trip above."""
+    snap = _synthetic(tokens, n_layer=3, n_head_kv=n_head_kv, head_dim=4, seed=2)
+    path = tmp_path / "x.detkv"
+    save_kv(path, snap, model_sha256="a" * 64, tokenizer_sha256="b" * 64)
+    back = load_kv(path)
+    assert all(np.array_equal(a, b) for a, b in zip(back.k + back.v, snap.k + snap.v)) and back.digest() == snap.digest()
+
+
 def test_every_flipped_byte_is_refused(small_file):
     data = small_file.read_bytes()
     for i in range(len(data)):
@@ -517,3 +529,54 @@ def test_non_truncatable_snapshots_are_reused_only_whole():
     assert pc.lookup([1, 2, 3], limit=2) == (0, None)
     with pytest.raises(InputError):
         pc.lookup([1, 2, 3, 4])[1].prefix(2)
+
+
+# ------------------------------------------------------------------------------- a KV folder (serve --kv-dir)
+
+
+def _kv_dir(folder, max_bytes=1 << 20, model="a"):
+    from detinfer.records.kv_dir import KVDir
+
+    return KVDir(folder, max_bytes, model_sha256=model * 64, tokenizer_sha256="b" * 64, kv_type="f32", shape=(2, 1, 4))
+
+
+def test_a_kv_folder_is_shared_bound_and_bounded(tmp_path):
+    """Two stores on one folder write one prefix under one name with the same bytes; a prefix cache backed by a
+    fresh store finds it; a file re-headed with other tokens (checksum resealed) or made for another model is
+    never indexed nor deleted; the budget deletes the least recently used file first."""
+    from detinfer.records.kv_dir import KVDir
+
+    a, b = _kv_dir(tmp_path), _kv_dir(tmp_path)
+    for store in (a, b):
+        store.save(_synthetic([5, 6, 7]))
+        store.close(timeout=10)
+    [path] = list(tmp_path.glob("*.detkv"))
+    original = path.read_bytes()
+    assert load_kv(path).tokens == (5, 6, 7)
+
+    cache = PrefixCache(1 << 20, store=_kv_dir(tmp_path))
+    k, snap = cache.lookup([5, 6, 7, 8])
+    assert k == 3 and snap.digest() == _synthetic([5, 6, 7]).digest() and len(cache) == 1
+    assert PrefixCache(1 << 20).lookup([5, 6, 7, 8]) == (0, None)  # the control: no store, nothing found
+
+    header = kvfile.inspect_kv(path)
+    forged = {key: header[key] for key in ("model_sha256", "tokenizer_sha256", "kv_type", "n_layer", "n_head_kv",
+                                           "head_dim", "n_tokens", "tokens")}  # fmt: skip
+    path.write_bytes(_with_header(original, dict(forged, tokens=[5, 6, 9], byte_order="little", layout=kvfile.LAYOUT)))
+    assert load_kv(path).tokens == (5, 6, 9)  # a well-formed file ...
+    assert PrefixCache(1 << 20, store=_kv_dir(tmp_path)).lookup([5, 6, 9, 1]) == (0, None)  # ... under another's name
+    path.write_bytes(original)
+
+    other = _kv_dir(tmp_path, model="c")
+    assert len(other) == 0  # another model's server sees none of these files
+    other.save(_synthetic([1, 2]))
+    other.close(timeout=10)
+    assert len(list(tmp_path.glob("*.detkv"))) == 2 and len(_kv_dir(tmp_path)) == 1
+
+    one = path.stat().st_size
+    tight = KVDir(tmp_path / "tight", 2 * one, model_sha256="a" * 64, tokenizer_sha256="b" * 64, kv_type="f32", shape=(2, 1, 4))
+    for tokens in ([5, 6, 7], [1, 1, 1], [2, 2, 2]):
+        tight.save(_synthetic(tokens))
+    tight.close(timeout=10)
+    kept = sorted(load_kv(p).tokens for p in (tmp_path / "tight").glob("*.detkv"))
+    assert kept == [(1, 1, 1), (2, 2, 2)]

@@ -168,7 +168,9 @@ def load_kv(
             for out, axes in ((k, (1, 2, 0)), (v, (1, 0, 2))):
                 _read_exact(path, f, buf, size)
                 h.update(buf.data)
-                a = np.ascontiguousarray(buf.view(file_dtype).reshape(n, g, d).transpose(axes), dtype=dtype)
+                # a copy always: with n_head_kv or n_tokens 1 the transposed view is already contiguous, and
+                # ascontiguousarray would return a view of buf, which the next array overwrites
+                a = np.array(buf.view(file_dtype).reshape(n, g, d).transpose(axes), dtype=dtype, order="C", copy=True)
                 a.flags.writeable = False
                 out.append(a)
         stored = f.read(CHECKSUM_BYTES)
