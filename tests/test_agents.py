@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -268,6 +269,36 @@ def test_smolagents_tool_calling_agent(base_url, recorded):
     sessions = recorded()
     assert calc.calls[:2] == calls and recorded_calls(sessions)[:2] == calls
     assert sessions[0]["turns"][1]["kept_tokens"] is not None  # smolagents re-sends calls as text: the turn says so
+
+
+# ------------------------------------------------------------------------------------------ OpenAI Node SDK
+
+NODE_PROJECT = Path(__file__).parent / "node"  # package.json + package-lock.json (openai 6.49.0) + the script
+
+
+def test_openai_node_sdk_stream_helper_round_trip(base_url, recorded, tmp_path):
+    """The Node SDK's tool loop: stream() -> finalChatCompletion() returns the call, and its own message sent back
+    as it is (the SDK adds ``parsed`` and, for a strict tool, ``parsed_arguments``: asserted present, so the
+    leniency is exercised) is answered, not a 400; the run records as one session and replays below."""
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if node is None or npm is None:
+        pytest.skip("node and npm are not installed")
+    project = tmp_path / "node"
+    shutil.copytree(NODE_PROJECT, project)
+    install = subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=project, capture_output=True,
+                             text=True, timeout=300)  # fmt: skip
+    if install.returncode != 0:
+        pytest.skip(f"npm ci could not install openai from the registry: {install.stderr.strip().splitlines()[-1:]}")
+    r = subprocess.run([node, "stream_round_trip.mjs"], cwd=project, capture_output=True, text=True, timeout=300,
+                       env={"PATH": os.environ["PATH"], "BASE_URL": base_url})  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["finish_reason"] == "tool_calls", out
+    [call] = out["message"]["tool_calls"]
+    assert "parsed" in out["message"] and call["function"]["parsed_arguments"] == {"a": 2, "b": 3}
+    assert out["follow"]["status"] == 200 and out["follow"]["content"], out
+    [session] = recorded()
+    assert recorded_calls([session]) == [("add", {"a": 2, "b": 3})] and len(session["turns"]) == 2
 
 
 def test_every_agent_run_replays_in_a_fresh_process(base_url, model_path, tmp_path):
