@@ -301,6 +301,45 @@ def test_openai_node_sdk_stream_helper_round_trip(base_url, recorded, tmp_path):
     assert recorded_calls([session]) == [("add", {"a": 2, "b": 3})] and len(session["turns"]) == 2
 
 
+# ------------------------------------------------------------------------------------------ the llm CLI
+
+
+def test_llm_cli_with_an_extra_openai_models_entry(base_url, record_dir, tmp_path):
+    """simonw's ``llm`` with the README's ``extra-openai-models.yaml`` entry: a prompt, ``--functions`` (the tool
+    reaches the server: it is in the recorded turn's tools; the 135M model answers in text here) and ``--schema``
+    (constrained: the reply is JSON with the schema's keys). Each request is recorded and replayed below. Control:
+    without ``supports_tools`` llm itself refuses --functions."""
+    llm = Path(sys.executable).parent / "llm"
+    if not llm.exists():
+        pytest.skip("llm is not installed (pip install 'detinfer[frameworks]')")
+    entry = {"model_id": "detinfer", "model_name": "smollm2", "api_base": base_url, "supports_tools": True, "supports_schema": True}
+    (tmp_path / "extra-openai-models.yaml").write_text(json.dumps([entry, {**entry, "model_id": "bare", "supports_tools": False}]))
+    env = {**os.environ, "LLM_USER_PATH": str(tmp_path)}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(llm), *args, "-o", "temperature", "0", "-o", "max_tokens", "24"], env=env,
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+
+    before = set(record_dir.glob("session-*.json"))
+    hi = run("-m", "detinfer", "--no-stream", "Say hi.")
+    assert hi.returncode == 0 and hi.stdout.strip(), hi.stderr
+    tool = run("-m", "detinfer", "--functions", "def add(a: int, b: int) -> int:\n    return a + b", "What is 2+3?")
+    assert tool.returncode == 0, tool.stderr
+    # a closed object: llm's "name, age int" DSL leaves it open, and a 135M model then adds keys up to max_tokens
+    closed = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}  # fmt: skip
+    person = run("-m", "detinfer", "--schema", json.dumps(closed), "Invent a person.")
+    assert person.returncode == 0, person.stderr
+    assert set(json.loads(person.stdout)) == {"name", "age"}
+    refused = run("-m", "bare", "--functions", "def add(a: int, b: int) -> int:\n    return a + b", "What is 2+3?")
+    assert refused.returncode != 0 and "does not support tools" in refused.stderr
+
+    new = sorted(set(record_dir.glob("session-*.json")) - before)
+    turns = [t for f in new for t in json.loads(f.read_text())["turns"]]
+    assert len(turns) == 3 and any(d["function"]["name"] == "add" for d in turns[1]["tools"] or []), turns[1].get("tools")
+    RUNS["test_llm_cli_with_an_extra_openai_models_entry"] = new
+
+
 def test_every_agent_run_replays_in_a_fresh_process(base_url, model_path, tmp_path):
     """All the agent runs above, replayed bit for bit by one ``detinfer replay`` process (after the server's). Control:
     a copy of one run whose last recorded reply was edited is reported as a mismatch, and only that one."""
