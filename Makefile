@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= Give me three tips for staying healthy.
 
-.PHONY: run test test-boundscheck verify bench profile bench-peers bench-models scale fuzz manifests golden-update install pull clean portability portability-full
+.PHONY: run test test-boundscheck verify bench bench-busy profile bench-peers bench-models scale fuzz manifests golden-update install pull clean portability portability-full
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +17,7 @@ install: $(STAMP)
 pull: $(STAMP)
 	$(BIN)/detinfer pull
 
-THREADS ?=  # e.g. make run THREADS=1 on a machine whose other core is busy
+THREADS ?=  # e.g. make run THREADS=1 for a fixed count (the default follows the free cores)
 THREAD_OPT := $(if $(THREADS),--threads $(THREADS))
 
 run: pull
@@ -117,7 +117,14 @@ bench: pull $(patsubst %,$(PEERS_DIR)/llama-cpp-%/BUILD,$(subst $(comma), ,$(BEN
 		--model smollm2-135m-instruct-q4_1 --model gemma3-270m-q4_k_m $(LARGE_MODELS:%=--large-model %) --large-runs 2 \
 		--out bench/results.json --markdown docs/benchmarks.md
 	$(BIN)/detinfer bench kv --plot docs/kv.png --results bench/results.json --markdown docs/benchmarks.md
+	$(MAKE) bench-busy
 	$(MAKE) profile
+
+# Idle and beside a busy loop holding one core: detinfer at 1, 2 and its default threads, llama.cpp (the host peer)
+# at 1 and 2, both models (bench/busy.py), into bench/busy.json and a section of docs/benchmarks.md; about 8 min.
+bench-busy: pull $(PEERS_DIR)/llama-cpp-host/BUILD $(VENV)/.bench-installed
+	$(BIN)/detinfer pull gemma3-270m-q4_k_m
+	$(BIN)/detinfer bench busy --peer --peers-dir $(PEERS_DIR) --out bench/busy.json --markdown docs/benchmarks.md
 
 # Where the time goes (bench/profile.py): every kernel call of a real prefill of 512 tokens and 64 decode steps, both
 # models at 1 and 2 threads, as a section of docs/benchmarks.md beside PROFILE_BEFORE (the same run on the commit this

@@ -201,16 +201,22 @@ def load_report(path: Path) -> BenchReport:
 
 
 PROFILE_BEGIN, PROFILE_END = "<!-- profile: bench/profile.py -->", "<!-- /profile -->"
+BUSY_BEGIN, BUSY_END = "<!-- busy: detinfer bench busy -->", "<!-- /busy -->"
 
 
 def kept_section(markdown_path: Path) -> str:
-    """The per-kernel profile section (between PROFILE_BEGIN and PROFILE_END) of an existing markdown file, or ""."""
+    """The sections other commands wrote into an existing markdown file (the busy-core figures between BUSY_BEGIN
+    and BUSY_END, the per-kernel profile between PROFILE_BEGIN and PROFILE_END), or ""."""
     try:
         text = markdown_path.read_text(encoding="utf-8")
     except OSError:
         return ""
-    start, end = text.find(PROFILE_BEGIN), text.find(PROFILE_END)
-    return text[start : end + len(PROFILE_END)] + "\n" if 0 <= start < end else ""
+    kept = []
+    for begin, end_mark in ((BUSY_BEGIN, BUSY_END), (PROFILE_BEGIN, PROFILE_END)):
+        start, end = text.find(begin), text.find(end_mark)
+        if 0 <= start < end:
+            kept.append(text[start : end + len(end_mark)] + "\n")
+    return "".join(kept)
 
 
 def write_report(report: BenchReport, out: Path, markdown_path: Path) -> None:

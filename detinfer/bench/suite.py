@@ -232,7 +232,7 @@ def worker_env(kind: str, isa: str, threads: int, peers_dir: Path) -> dict[str, 
     folder first on PYTHONPATH; for detinfer the ISA's compile target (ISA_ENV) and, for anything but the host's
     default build, a JIT cache of its own under $DETINFER_HOME/bench (numba's cache key ignores the target and
     fastmath); the host's default build keeps the inherited cache."""
-    env = dict(os.environ, NUMBA_NUM_THREADS=str(threads))
+    env = dict(os.environ, NUMBA_NUM_THREADS=str(threads or os.cpu_count() or 1))  # 0: detinfer's default, every core
     if kind == "llama-cpp":
         inherited = [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []
         env["PYTHONPATH"] = os.pathsep.join([str(peer_dir(peers_dir, isa).resolve()), *inherited])

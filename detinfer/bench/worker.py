@@ -32,7 +32,7 @@ class _DetinferArm:
     def __init__(self, model: str, threads: int, ids: str):
         from ..compute.engine import Engine, set_threads
 
-        set_threads(threads)
+        set_threads(threads or None)  # 0: the default, as many threads as other processes leave cores free
         self.engine = Engine.load(model, n_ctx=N_CTX)
         self.ids = random_ids(self.engine.config.n_vocab) if ids == "random" else self.engine.tokenizer.encode(TEXT)
         self.engine.warm_up()
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("mode", choices=["worker", "session"])
     ap.add_argument("--engine", choices=["detinfer", "llama-cpp"], default="detinfer")
     ap.add_argument("--model", required=True)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="0: detinfer's default (threads chosen from the free cores)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--ids", choices=["text", "random"], default="text")
     ap.add_argument("--tokens", type=int, default=max(SUITE_CELLS[0]))

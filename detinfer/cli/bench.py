@@ -142,3 +142,27 @@ def bench_constraint(
               f"mask overhead {b.overhead:+.1%} (limit {OVERHEAD_LIMIT:.0%})")
 
 
+
+
+@bench_app.command("busy")
+def bench_busy(
+    models: Annotated[Optional[list[str]], typer.Option("--model", "-m", help="Registry name or .gguf path (repeatable; "
+                                                        "default: SmolLM2 and Gemma 3).")] = None,
+    runs: Annotated[int, typer.Option("--runs", help="Runs per figure (the median, min and max are reported).")] = 3,
+    peer: Annotated[bool, flag("--peer", help="Also llama.cpp at 1 and 2 threads (the host build in --peers-dir).")] = False,
+    peers_dir: Annotated[Path, typer.Option("--peers-dir", help="Where `make bench-peers` put llama-cpp-python.")] = Path(".bench"),
+    out_path: Annotated[Path, typer.Option("--out", "-o", help="Results (JSON).")] = Path("bench/busy.json"),
+    markdown: Annotated[Path, typer.Option("--markdown", help="Markdown file whose busy section is replaced.")] = Path("docs/benchmarks.md"),
+) -> None:
+    """Prefill and decode idle and beside a busy loop holding one core: detinfer at 1, 2 and its default threads,
+    llama.cpp at 1 and 2. Use an otherwise idle machine."""
+    from ..bench.busy import run_busy, write_busy
+    from ..bench.suite import DEFAULT_MODELS
+
+    try:
+        result = run_busy(models or DEFAULT_MODELS, runs=runs, peer=peer, peers_dir=peers_dir,
+                          progress=lambda msg: err.print(f"[dim]{escape(msg)}[/]"))  # fmt: skip
+        write_busy(result, out_path, markdown)
+    except DetinferError as e:
+        fail(e)
+    out.print(f"wrote {escape(str(out_path))} and the busy section of {escape(str(markdown))}")

@@ -13,7 +13,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import numba
 import numpy as np
 
 from ..errors import InputError
@@ -28,6 +27,9 @@ from ..model.weights import Weights, open_store
 from . import kernels
 from .kvcache import KVCache, KVPool, check_kv_fits, kv_bytes_per_number, parse_kv_type
 from .linear import Activations, matmul, project
+from .threads import adapt_threads, set_threads
+
+__all__ = ["DEFAULT_CHUNK", "DEFAULT_N_CTX", "Engine", "check_chunk_size", "set_threads"]
 
 DEFAULT_N_CTX = 4096
 DEFAULT_CHUNK = 64  # prefill tokens per forward chunk: any value gives the same bytes
@@ -40,19 +42,6 @@ def check_chunk_size(chunk_size: int) -> int:
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise InputError(f"--chunk-size must be at least 1, got {chunk_size!r}")
     return chunk_size
-
-
-def set_threads(threads: int | None) -> int:
-    """Set numba's thread count (default: all cores numba sees). Never changes a result, only speed.
-
-    Raises InputError if ``threads`` is not between 1 and the number of cores numba was started with.
-    """
-    limit = numba.config.NUMBA_NUM_THREADS
-    n = limit if threads is None else int(threads)
-    if not 1 <= n <= limit:
-        raise InputError(f"--threads {threads} is out of range; use 1..{limit} (NUMBA_NUM_THREADS caps it)")
-    numba.set_num_threads(n)
-    return n
 
 
 @dataclass
@@ -214,6 +203,7 @@ class Engine:
             last = start + chunk.shape[0] == n
             want = all_logits or last
             out = logits[start : start + chunk.shape[0]] if all_logits else logits
+            adapt_threads()
             self._forward_chunk(chunk, cache, out if want else None, all_rows=all_logits)
         return logits if all_logits else logits[0]
 

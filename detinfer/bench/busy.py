@@ -1,0 +1,130 @@
+"""``detinfer bench busy``: prefill and decode on an idle machine and beside a busy loop that holds one core.
+
+Per model, each engine configuration runs in a worker process of its own (bench/worker.py): detinfer at 1 and 2
+threads and at its default (threads chosen from what is free, compute/threads.py), llama.cpp (``--peer
+llama-cpp``, the host build of ``make bench-peers``) at 1 and 2 threads. The same cells are measured idle, then
+with ``python -c "while True: pass"`` running (one core's worth of load, placed by the scheduler), alternating
+workers run by run; figures are medians of ``runs`` runs with min and max. The floors (issue 37): under load the
+default is at least 0.9x the 1-thread speed in every cell; idle, 2 threads are at least 1.6x 1 thread. Results go
+to ``bench/busy.json`` and a section of docs/benchmarks.md (kept when the main suite rewrites the file).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from ..errors import InputError
+from ..fileio import atomic_write_text
+from .report import BUSY_BEGIN, BUSY_END, display_name, stats
+from .suite import _machine, _Worker, peer_dir
+
+CELLS = (("prefill_256", "prefill", 256), ("decode_64", "decode", 64))
+AUTO = 0  # the worker's --threads for detinfer's default (set_threads(None))
+LOADS = ("idle", "busy")
+FLOOR_BUSY, FLOOR_IDLE = 0.9, 1.6
+SETTLE_S = 1.0  # after the busy loop starts, before the first run
+
+
+def configs(peer: bool) -> list[tuple[str, int]]:
+    """(engine, threads) of every worker; threads AUTO is detinfer's default."""
+    return [("detinfer", 1), ("detinfer", 2), ("detinfer", AUTO)] + ([("llama-cpp", 1), ("llama-cpp", 2)] if peer else [])
+
+
+def label(engine: str, threads: int) -> str:
+    return f"{engine} {'default' if threads == AUTO else f'{threads}t'}"
+
+
+def busy_loop() -> subprocess.Popen:
+    """A process that keeps one core busy until killed."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
+def run_busy(models: Sequence[str], *, runs: int, peer: bool, peers_dir: Path, progress: Callable[[str], None]) -> dict:
+    """Every cell of :data:`CELLS` for every configuration, idle and busy, per model (see the module docstring).
+    Raises InputError for ``runs`` < 1 or a llama.cpp peer that is not built."""
+    if runs < 1:
+        raise InputError(f"--runs must be at least 1, got {runs}")
+    if peer and not (peer_dir(peers_dir, "host") / "BUILD").exists():
+        raise InputError(f"no llama.cpp build in {peer_dir(peers_dir, 'host')}; run `make bench-peers` or drop --peer")
+    tokens = max(n for _, op, n in CELLS if op == "prefill")
+    out: dict = {"machine": _machine(), "runs": runs, "cells": [name for name, _, _ in CELLS], "models": {}}
+    for model in models:
+        workers = []
+        try:
+            for engine, threads in configs(peer):
+                progress(f"{display_name(model)}: starting {label(engine, threads)}")
+                workers.append((label(engine, threads), _Worker(engine, model, threads, "host", "text", tokens, peers_dir)))
+            figures: dict[str, dict[str, dict]] = {}
+            for load in LOADS:
+                loop = busy_loop() if load == "busy" else None
+                try:
+                    if loop is not None:
+                        time.sleep(SETTLE_S)
+                    samples = {name: {cell: [] for cell, _, _ in CELLS} for name, _ in workers}
+                    for cell, op, n in CELLS:
+                        progress(f"{display_name(model)}: {load}, {cell}")
+                        for _ in range(runs):
+                            for name, w in workers:
+                                samples[name][cell].append(n / w.ask(op=op, n=n)["seconds"])
+                finally:
+                    if loop is not None:
+                        loop.kill()
+                        loop.wait()
+                figures[load] = {name: {cell: stats(v).model_dump() for cell, v in cells.items()} for name, cells in samples.items()}
+            out["models"][model] = figures
+        finally:
+            for _, w in workers:
+                w.close()
+    return out
+
+
+def floors(fig: dict) -> list[tuple[str, str, bool]]:
+    """(floor, measured, holds) of one model's figures."""
+    rows = []
+    for cell in (c for c, _, _ in CELLS):
+        one, auto = fig["busy"]["detinfer 1t"][cell]["median"], fig["busy"]["detinfer default"][cell]["median"]
+        rows.append((f"busy, {cell}: default >= {FLOOR_BUSY}x 1 thread", f"{auto / one:.2f}x", auto >= FLOOR_BUSY * one))
+        one, two = fig["idle"]["detinfer 1t"][cell]["median"], fig["idle"]["detinfer 2t"][cell]["median"]
+        rows.append((f"idle, {cell}: 2 threads >= {FLOOR_IDLE}x 1 thread", f"{two / one:.2f}x", two >= FLOOR_IDLE * one))
+    return rows
+
+
+def markdown(result: dict) -> str:
+    """The section of docs/benchmarks.md, between BUSY_BEGIN and BUSY_END."""
+    m = result["machine"]
+    lines = [BUSY_BEGIN, "## Beside a busy core (`detinfer bench busy`)", "",
+             f"{m['cpu']} ({m['cores']} cores), median of {result['runs']} runs (min–max), tok/s; busy: a `while True: pass` "
+             "process running. detinfer's default chooses its thread count from the cores other processes leave free "
+             "(detinfer/compute/threads.py).", ""]  # fmt: skip
+    cells = result["cells"]
+    for model, fig in result["models"].items():
+        lines += [f"### {display_name(model)}", "", "| engine | " + " | ".join(f"{load} {c}" for load in LOADS for c in cells) + " |",
+                  "|---|" + "---:|" * (len(LOADS) * len(cells))]  # fmt: skip
+        for name in fig["idle"]:
+            s = [fig[load][name][c] for load in LOADS for c in cells]
+            lines.append(f"| {name} | " + " | ".join(f"{x['median']:g} ({x['min']:g}–{x['max']:g})" for x in s) + " |")
+        lines += ["", "| floor | measured | holds |", "|---|---:|---|"]
+        lines += [f"| {f} | {v} | {'yes' if ok else '**no**'} |" for f, v, ok in floors(fig)]
+        lines.append("")
+    return "\n".join(lines + [BUSY_END]) + "\n"
+
+
+def write_busy(result: dict, out: Path, markdown_path: Path) -> None:
+    """``result`` as JSON at ``out`` and as the busy section of ``markdown_path`` (replaced, or appended)."""
+    atomic_write_text(out, json.dumps(result, indent=1, sort_keys=True) + "\n")
+    try:
+        text = markdown_path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        text = ""
+    start, end = text.find(BUSY_BEGIN), text.find(BUSY_END)
+    section = markdown(result)
+    if 0 <= start < end:
+        text = text[:start] + section + text[end + len(BUSY_END) + 1 :]
+    else:
+        text = text + ("\n" if text and not text.endswith("\n\n") else "") + section
+    atomic_write_text(markdown_path, text)

@@ -1,0 +1,108 @@
+"""How many threads a forward pass uses: a fixed count, or (the default) as many as the machine has free now.
+
+numba's parallel regions split their work into one fixed share per thread and end at a barrier, hundreds of times
+per token. On a core that another process keeps busy, the thread of that share runs only when the scheduler gives
+it a slice, and every region waits for it: two threads beside one busy loop decode several times slower than one
+(measured in docs/benchmarks.md). So by default the count follows what other processes leave free, read from the
+kernel's accounting: over each window of WINDOW_S seconds, the machine's busy CPU time (/proc/stat) minus this
+process's own (its spinning threads included) is the load of everyone else; the count is the number of cores
+that load leaves, rounded down (a core more than three-quarters free counts), at least 1, at most the cores numba
+started with. The count never changes a result (kernels parallelise over independent outputs only); it is chosen
+per calling thread, as numba's count is. Where /proc/stat cannot be read, all cores are used.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numba
+
+from ..errors import InputError
+
+WINDOW_S = 0.2  # seconds of accounting per choice: a few hundred decode steps' worth of parallel regions
+FIRST_WINDOW_S = 0.05  # a process's first choice, made before its first forward pass
+STALE_S = 1.0  # a window this old spans a pause of this thread: others' load then says nothing of now; start anew
+FREE_FRACTION = 0.75  # a core whose other load is below a quarter of it counts as free
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+_local = threading.local()  # per calling thread: auto (bool), window start (time, machine busy s, own cpu s)
+_last_choice: int | None = None  # the last automatic count of any thread: where a new one starts
+
+
+def _machine_busy_s() -> float | None:
+    """Busy CPU seconds of the whole machine since boot (all cores: user, nice, system, irq, softirq, steal), or
+    None where /proc/stat cannot be read. Steal counts as busy: on a VM it is time the core was not ours."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != b"cpu":
+        return None
+    values = [int(v) for v in fields[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = values + [0] * (8 - len(values))
+    return (user + nice + system + irq + softirq + steal) / _CLK_TCK
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def free_cores(busy_others_s: float, window_s: float, n_cores: int) -> int:
+    """The thread count for a window in which other processes used ``busy_others_s`` CPU seconds over
+    ``window_s`` seconds of a machine of ``n_cores`` cores: the cores their load leaves free (at least 1)."""
+    others = max(0.0, busy_others_s) / window_s
+    return max(1, min(n_cores, int(n_cores - others + (1 - FREE_FRACTION))))
+
+
+def set_threads(threads: int | None) -> int:
+    """Use ``threads`` threads in this calling thread's forward passes, or with None as many as are free (see the
+    module docstring; re-chosen every WINDOW_S seconds by :func:`adapt_threads`). Never changes a result, only
+    speed. Returns the count in effect now.
+
+    Raises InputError if ``threads`` is not between 1 and the number of cores numba was started with.
+    """
+    limit = numba.config.NUMBA_NUM_THREADS
+    if threads is not None:
+        n = int(threads)
+        if not 1 <= n <= limit:
+            raise InputError(f"--threads {threads} is out of range; use 1..{limit} (NUMBA_NUM_THREADS caps it)")
+        _local.auto = False
+        numba.set_num_threads(n)
+        return n
+    _local.auto = limit > 1 and _machine_busy_s() is not None
+    _local.window = None
+    if _local.auto and _last_choice is None:  # the process's first choice: one short window before any work
+        _local.window = (time.monotonic(), _machine_busy_s(), _own_cpu_s())
+        time.sleep(FIRST_WINDOW_S)
+        adapt_threads()
+    n = _last_choice if _local.auto and _last_choice is not None else limit
+    numba.set_num_threads(n)
+    return n
+
+
+def adapt_threads() -> None:
+    """Called before each forward chunk: with automatic threads, close the accounting window once WINDOW_S seconds
+    have passed and set the count for the next one (a window older than STALE_S, which spans a pause of this
+    thread, only starts a new one). Costs a clock read between windows."""
+    global _last_choice
+    if not getattr(_local, "auto", False):
+        return
+    now = time.monotonic()
+    window = getattr(_local, "window", None)
+    if window is not None and now - window[0] < WINDOW_S:
+        return
+    busy = _machine_busy_s()
+    own = _own_cpu_s()
+    if busy is None:
+        return
+    if window is not None and now - window[0] <= STALE_S:
+        t0, busy0, own0 = window
+        n = free_cores((busy - busy0) - (own - own0), now - t0, numba.config.NUMBA_NUM_THREADS)
+        if n != numba.get_num_threads():
+            numba.set_num_threads(n)
+        _last_choice = n
+    _local.window = (time.monotonic(), busy, own)

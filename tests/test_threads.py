@@ -1,0 +1,71 @@
+"""The default thread count follows the cores other processes leave free (compute/threads.py), and never moves a
+byte: a busy loop on one core makes it drop to the free cores, an explicit count stays as given (the control), and
+the logits of a run whose count changes between chunks equal a 1-thread run's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import numba
+import numpy as np
+import pytest
+
+from detinfer.compute import threads
+from detinfer.compute.engine import Engine, set_threads
+
+
+@pytest.mark.parametrize("others, cores, expected", [
+    (0.0, 2, 2), (0.2, 2, 2), (0.3, 2, 1), (1.0, 2, 1), (3.0, 2, 1), (-0.5, 2, 2), (1.0, 4, 3), (0.0, 1, 1),
+])  # fmt: skip
+def test_free_cores(others, cores, expected):
+    """Other processes' load in cores over a 1 s window -> the thread count: a core counts as free while less than
+    a quarter of it is taken."""
+    assert threads.free_cores(others, 1.0, cores) == expected
+
+
+@pytest.fixture(scope="module")
+def engine(model_path):
+    return Engine.load(model_path, n_ctx=256)
+
+
+def _forward(engine: Engine, ids: list[int], seconds: float) -> np.ndarray:
+    """Forward ``ids`` again and again (a fresh cache each time) for at least ``seconds``; the last logits."""
+    t_end = time.monotonic() + seconds
+    while True:
+        logits = engine.forward(ids, engine.new_cache(), all_logits=True, chunk_size=8)
+        if time.monotonic() >= t_end:
+            return logits
+
+
+def test_a_busy_core_lowers_the_default_count_and_no_byte_moves(engine, monkeypatch):
+    limit = numba.config.NUMBA_NUM_THREADS
+    if limit < 2:
+        pytest.skip("one core: there is no count to choose")
+    ids = engine.tokenizer.encode("The capital of France is Paris, and the capital of Italy is Rome.")
+    set_threads(1)
+    reference = engine.forward(ids, engine.new_cache(), all_logits=True, chunk_size=8)
+    loop = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)
+        set_threads(limit)  # the control: an explicit count is kept whatever the load
+        _forward(engine, ids, 3 * threads.WINDOW_S)
+        assert numba.get_num_threads() == limit
+        set_threads(None)
+        logits = _forward(engine, ids, 4 * threads.WINDOW_S)
+        assert numba.get_num_threads() == limit - 1
+        assert logits.tobytes() == reference.tobytes()
+        monkeypatch.setattr(threads, "WINDOW_S", 0.0)  # a new choice before every chunk: counts change mid-run
+        assert _forward(engine, ids, 0.5).tobytes() == reference.tobytes()
+    finally:
+        loop.kill()
+        loop.wait()
+        set_threads(None)
+
+
+def test_without_proc_stat_the_default_is_every_core(monkeypatch):
+    monkeypatch.setattr(threads, "_machine_busy_s", lambda: None)
+    assert set_threads(None) == numba.config.NUMBA_NUM_THREADS
+    threads.adapt_threads()
+    assert numba.get_num_threads() == numba.config.NUMBA_NUM_THREADS
