@@ -358,3 +358,29 @@ def test_plot_is_written_atomically(tmp_path, monkeypatch):
         plot_kv(_kv(), path)
     assert path.read_bytes() == b"old plot"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kv.png"]  # no temp file left behind
+
+
+def test_busy_bench_measures_every_configuration_idle_and_busy_and_its_section_is_kept(tmp_path, tiny_model, monkeypatch):
+    """``detinfer bench busy`` on a tiny model, one run: every configuration has every cell idle and busy, the
+    floors are computed from them, the section replaces itself in the markdown and survives the main report's
+    rewrite of the file. (Speed itself is never asserted.)"""
+    from detinfer.bench import busy
+
+    monkeypatch.setattr(busy, "CELLS", (("prefill_8", "prefill", 8), ("decode_4", "decode", 4)))
+    result = busy.run_busy([str(tiny_model)], runs=1, peer=False, peers_dir=tmp_path, progress=lambda msg: None)
+    fig = result["models"][str(tiny_model)]
+    assert set(fig) == {"idle", "busy"} and all(
+        set(fig[load]) == {"detinfer 1t", "detinfer 2t", "detinfer default"} for load in fig)
+    assert all(fig[load][name][cell]["median"] > 0 for load in fig for name in fig[load] for cell in ("prefill_8", "decode_4"))
+    assert len(busy.floors(fig)) == 4
+    out, md = tmp_path / "busy.json", tmp_path / "benchmarks.md"
+    md.write_text("# Benchmarks\n\nbefore\n")
+    busy.write_busy(result, out, md)
+    busy.write_busy(result, out, md)  # replaced, not appended twice
+    text = md.read_text()
+    assert text.startswith("# Benchmarks\n\nbefore\n") and text.count(bench_report.BUSY_BEGIN) == 1
+    assert "| detinfer default |" in text and "default >= 0.9x 1 thread" in text
+    bench_report.write_report(_report(), tmp_path / "results.json", md)
+    assert busy.markdown(result) in md.read_text()
+    with pytest.raises(InputError, match="make bench-peers"):
+        busy.run_busy([str(tiny_model)], runs=1, peer=True, peers_dir=tmp_path, progress=lambda msg: None)
