@@ -196,13 +196,6 @@ def _store_arrays(mf: ModelFile) -> list[tuple[str, tuple, bytes]]:
     return [(a.dtype.name, a.shape, a.tobytes()) for _, arrays in records.values() for a in arrays if isinstance(a, np.ndarray)]
 
 
-@pytest.mark.parametrize("damage", STORE_DAMAGE)
-def test_damaged_store_is_rebuilt_and_changes_nothing(home: Home, model_path: Path, caplog, damage: str):
-    clean_bytes = _files(home.path)
-    STORE_DAMAGE[damage][0](home)
-    _assert_recovers(home, model_path, caplog, home.descriptor, clean_bytes)
-
-
 @pytest.mark.parametrize("damage", [d for d, (_, control) in STORE_DAMAGE.items() if control])
 def test_store_damage_would_change_the_outcome_unchecked(home: Home, model_path: Path, monkeypatch, damage: str):
     """Negative control: with the store's checks off, the damaged descriptor is used and the outcome differs."""
@@ -292,11 +285,11 @@ INDEX_DAMAGE: dict[str, tuple[Callable[[Home], None], str | None]] = {
 }
 
 
-@pytest.mark.parametrize("damage", INDEX_DAMAGE)
-def test_damaged_index_is_rebuilt_and_changes_nothing(home: Home, model_path: Path, caplog, damage: str):
+@pytest.mark.parametrize("kind, damage", [("store", d) for d in STORE_DAMAGE] + [("index", d) for d in INDEX_DAMAGE])
+def test_damaged_store_or_index_is_rebuilt_and_changes_nothing(home: Home, model_path: Path, caplog, kind: str, damage: str):
     clean_bytes = _files(home.path)
-    INDEX_DAMAGE[damage][0](home)
-    _assert_recovers(home, model_path, caplog, home.index, clean_bytes)
+    (STORE_DAMAGE if kind == "store" else INDEX_DAMAGE)[damage][0](home)
+    _assert_recovers(home, model_path, caplog, home.descriptor if kind == "store" else home.index, clean_bytes)
 
 
 @pytest.mark.parametrize("damage", [d for d, (_, control) in INDEX_DAMAGE.items() if control])
