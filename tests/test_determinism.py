@@ -18,6 +18,7 @@ from test_kvcache import prefill_with_reuse
 
 from detinfer.compute.engine import Engine
 from detinfer.compute.prefix_cache import PrefixCache
+from detinfer.compute.threads import fixed_threads
 from detinfer.records.selftest import DEFAULT_TEXT, fingerprint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -115,12 +116,9 @@ def test_truncate_then_recompute_is_exact(engine, tokens):
 def test_thread_count_does_not_change_bytes_in_process(engine, tokens):
     limit = numba.config.NUMBA_NUM_THREADS
     results = []
-    try:
-        for n in sorted({1, limit}):
-            numba.set_num_threads(n)
+    for n in sorted({1, limit}):
+        with fixed_threads(n):
             results.append(fingerprint(engine, tokens, chunk_size=64))
-    finally:
-        numba.set_num_threads(limit)
     assert all(r == results[0] for r in results)
 
 

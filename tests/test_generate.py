@@ -9,7 +9,6 @@ slows things down on a shared machine.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 import pytest
 
@@ -23,6 +22,7 @@ from detinfer.compute.generate import (
 )
 from detinfer.compute.sampler import sample, top_logits
 from detinfer.compute.sampling import Sampling
+from detinfer.compute.threads import fixed_threads
 from detinfer.errors import InputError
 from detinfer.records.run import build_prompt
 
@@ -35,10 +35,8 @@ LONG = "The quick brown fox jumps over the lazy dog while the farmer counts shee
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    before = numba.get_num_threads()
-    numba.set_num_threads(1)
-    yield
-    numba.set_num_threads(before)
+    with fixed_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")

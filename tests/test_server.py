@@ -15,15 +15,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import numba
 import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from detinfer.compute.engine import Engine, set_threads  # noqa: E402
+from detinfer.compute.engine import Engine  # noqa: E402
 from detinfer.compute.sampler import log_softmax_at, top_logits  # noqa: E402
+from detinfer.compute.threads import fixed_threads  # noqa: E402
 from detinfer.records.replay import replay_turns
 from detinfer.records.session import load_session  # noqa: E402
 from detinfer.serve.app import create_app  # noqa: E402
@@ -444,12 +444,8 @@ def test_recorded_conversation_replays(server, client, engine, record_dir):
     assert len(record.turns) == 3 and all(t.appended_token_ids for t in record.turns)
     assert [m.content for m in record.turns[1].messages] == ["And times 4?"]  # the reply is the previous turn's output
     assert record.turns[1].generated_token_ids and record.turns[2].reused_tokens > len(record.turns[0].appended_token_ids)
-    before = numba.get_num_threads()
-    set_threads(1)
-    try:
+    with fixed_threads(1):
         results = replay_turns(engine, record)
-    finally:
-        numba.set_num_threads(before)
     assert [diffs for _, diffs, _ in results] == [[], [], []]
     assert [a.text for a, _, _ in results] == [m["content"] for m in messages[2::2]]
 

@@ -14,6 +14,7 @@ import pytest
 
 from detinfer.compute import threads
 from detinfer.compute.engine import Engine, set_threads
+from detinfer.compute.threads import fixed_threads
 
 
 @pytest.mark.parametrize("others, cores, expected", [
@@ -49,10 +50,10 @@ def test_a_busy_core_lowers_the_default_count_and_no_byte_moves(engine, monkeypa
     loop = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.5)
-        set_threads(limit)  # the control: an explicit count is kept whatever the load
-        _forward(engine, ids, 3 * threads.WINDOW_S)
-        assert numba.get_num_threads() == limit
         set_threads(None)
+        with fixed_threads(limit):  # the control: a fixed count is kept whatever the load
+            _forward(engine, ids, 3 * threads.WINDOW_S)
+            assert numba.get_num_threads() == limit
         logits = _forward(engine, ids, 4 * threads.WINDOW_S)
         assert numba.get_num_threads() == limit - 1
         assert logits.tobytes() == reference.tobytes()

@@ -114,7 +114,7 @@ def engine(model_path: Path) -> Engine:
 def recorded(engine: Engine, model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder of manifests recorded with the library: greedy, seeded sampling, f16 KV (8 tokens each)."""
     folder = tmp_path_factory.mktemp("recorded")
-    set_threads(None)  # recorded with every thread (an earlier test may have left this thread's pool at 1)
+    set_threads(numba.config.NUMBA_NUM_THREADS)  # recorded with every thread, whatever else the machine runs
     engines = {"f32": engine, "f16": Engine.load(model_path, n_ctx=256, kv_type="f16")}
     for name, (text, params, kv_type) in RUNS.items():
         eng = engines[kv_type]

@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numba
 
@@ -106,3 +108,19 @@ def adapt_threads() -> None:
             numba.set_num_threads(n)
         _last_choice = n
     _local.window = (time.monotonic(), busy, own)
+
+
+@contextmanager
+def fixed_threads(threads: int) -> Iterator[None]:
+    """Use exactly ``threads`` threads in this calling thread inside the block (no automatic choice can change it
+    mid-way), then give back the choice before it: the same fixed count, or automatic again.
+
+    Raises InputError as :func:`set_threads` does.
+    """
+    auto, before = getattr(_local, "auto", False), numba.get_num_threads()
+    set_threads(threads)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(before)
+        _local.auto, _local.window = auto, None

@@ -28,6 +28,7 @@ from ..compute import kernels
 from ..compute.engine import Engine, set_threads
 from ..compute.generate import GenerationResult, generate
 from ..compute.sampling import Sampling
+from ..compute.threads import fixed_threads
 from ..errors import DetinferError
 from .kvfile import load_kv, save_kv
 
@@ -143,7 +144,9 @@ def matrix(engine: Engine, model: str | None, *, text: str = DEFAULT_TEXT, proce
         cache = engine.new_cache()
         return engine.forward(tokens, cache, all_logits=True, chunk_size=chunk), cache.digest()
 
-    base, base_kv = run(len(tokens))
+    limit = numba.config.NUMBA_NUM_THREADS
+    with fixed_threads(limit):  # the reference of every row, and the other side of "threads 1 vs limit"
+        base, base_kv = run(len(tokens))
     for chunk in (1, 7, 64):
         logits, kv = run(chunk)
         add(_compare_logits(f"prefill chunk {chunk} vs whole prompt", logits, base, kv, base_kv))
@@ -156,12 +159,8 @@ def matrix(engine: Engine, model: str | None, *, text: str = DEFAULT_TEXT, proce
     cache.truncate(split)
     again = engine.forward(tokens[split:], cache, all_logits=True)
     add(_compare_logits("rollback: truncate to A, recompute B", np.concatenate([first, again]), base, cache.digest(), base_kv))
-    limit = numba.config.NUMBA_NUM_THREADS
-    numba.set_num_threads(1)
-    try:
+    with fixed_threads(1):
         one, one_kv = run(64)
-    finally:
-        numba.set_num_threads(limit)
     add(_compare_logits(f"threads 1 vs {limit} (same process)", one, base, one_kv, base_kv))
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "prefix.detkv")
