@@ -445,10 +445,12 @@ def test_selftest_matrix_in_process(engine: Engine, model_path: Path):
     assert len(engine.tokenizer.encode(STORY)) == 40
     rows = matrix(engine, str(model_path), text=STORY, processes=False)
     results = {r.invariance: r for r in rows}
-    assert len(results) == len(rows) == 8
+    assert len(results) == len(rows) == 9
     control = results.pop("negative control: reassociated RMSNorm must differ")
     assert control.result == "detected" and control.max_abs_delta is not None and control.max_abs_delta > 0, control
     assert results.pop("KV saved to a .detkv file and restored vs never saved").result == "identical"
+    spec = results.pop("speculative decoding (ngram drafts) vs none, sampled")
+    assert spec.result == "identical" and re.fullmatch(r"drafts taken [1-9]\d* of \d+", spec.note), spec
     for name in ("prefill chunk 1 vs whole prompt", "prefill chunk 7 vs whole prompt", f"threads 1 vs {numba.config.NUMBA_NUM_THREADS} (same process)"):
         assert name in results
     for r in results.values():

@@ -17,6 +17,7 @@ subclasses with a one-line message (InputError for a bad option or prompt, GGUFE
 from ..compute.constrain import Constraint
 from ..compute.generate import Step
 from ..compute.sampling import Sampling
+from ..compute.speculate import SPECULATORS, check_speculate
 from .llm import (
     LLM,
     PROGRESS_MARK,
@@ -56,7 +57,8 @@ from .records import (
 )
 
 __all__ = ["BAD_INPUT", "Constraint", "Conversation", "DEFAULT_MODEL", "LLM", "MATCH", "MISMATCH", "ModelInfo", "Outcome",
-           "PROGRESS_MARK", "ReplayOptions", "Result", "Sampling", "SessionResult", "Step", "Stream", "VerifyResult", "branch", "check_chunk_size",
+           "PROGRESS_MARK", "ReplayOptions", "Result", "SPECULATORS", "Sampling", "SessionResult", "Step", "Stream", "VerifyResult", "branch",
+           "check_chunk_size", "check_speculate",
            "collect", "collect_sessions", "constraint_from_options", "describe_machine", "exit_code", "inspect_kv",
            "list_models", "load", "load_messages", "load_script", "model_info", "pull", "read_prompt_file", "replay",
            "rerun", "selftest", "selftest_ok", "set_threads", "short_machine", "to_json_lines", "verify"]

@@ -32,6 +32,7 @@ from ..compute.engine import (
 from ..compute.generate import OPENAI_FINISH_REASON, Step, check_prompt
 from ..compute.prefix_cache import PrefixCache
 from ..compute.sampling import Sampling, SamplingOverrides
+from ..compute.speculate import check_speculate
 from ..errors import InputError
 from ..fileio import read_input_text, utf8_error
 from ..model.chat import ChatTemplate, load_messages, validate_messages
@@ -175,8 +176,10 @@ class LLM:
     """A loaded model with its KV-cache settings. Create with :func:`load`. Not safe to call from two threads at
     once (one KV cache is computed at a time, like the server's one decode worker)."""
 
-    def __init__(self, engine: Engine, *, threads: int | None = None, chat_template: ChatTemplate | None = None):
+    def __init__(self, engine: Engine, *, threads: int | None = None, chat_template: ChatTemplate | None = None,
+                 speculate: str | None = None):  # fmt: skip
         self.engine, self.threads, self.chat_template = engine, threads, chat_template
+        self.speculate = check_speculate(speculate)
 
     @property
     def model_sha256(self) -> str:
@@ -230,7 +233,8 @@ class LLM:
         if constraint is not None:
             constraint.check(self.engine.tokenizer)  # a bad grammar fails here, before any token
         template = self.chat_template if p.chat else None
-        steps = execute_steps(self.engine, p, record, chunk_size=chunk_size, template=template, constraint=constraint)
+        steps = execute_steps(self.engine, p, record, chunk_size=chunk_size, template=template, constraint=constraint,
+                              speculate=self.speculate)
         return Stream(steps, self.engine, self.threads, p.token_ids)
 
     def warm_up(self) -> None:
@@ -259,7 +263,7 @@ class LLM:
                              "loaded; drop the script's model or load that one")  # fmt: skip
         set_threads(self.threads)
         record = run_session(self.engine, sc.turns, sc.sampling, prefix_cache=PrefixCache(cache_bytes), template=self.chat_template,
-                             out=out, kv_dir=kv_dir, on_step=on_step, on_turn=on_turn)  # fmt: skip
+                             out=out, kv_dir=kv_dir, on_step=on_step, on_turn=on_turn, speculate=self.speculate)  # fmt: skip
         return SessionResult(record, self.engine)
 
     def conversation(self, *, system: str | None = None, **sampling: Any) -> Conversation:
@@ -283,7 +287,8 @@ class Conversation:
         """Append a user message (after the system message, on the first turn) and generate the reply."""
         set_threads(self.llm.threads)
         messages = ([{"role": "system", "content": self.system}] if self.system and not self.turns else []) + [{"role": "user", "content": text}]
-        self.turns.append(run_turn(self.llm.engine, self._conv, self._cache, messages, self.sampling, on_step=on_step))
+        self.turns.append(run_turn(self.llm.engine, self._conv, self._cache, messages, self.sampling, on_step=on_step,
+                                   speculate=self.llm.speculate))
         return self.turns[-1]
 
     @property
@@ -296,7 +301,7 @@ class Conversation:
 
 
 def load(model: str | os.PathLike | None = None, *, n_ctx: int = 4096, threads: int | None = None, kv_type: str = "f32",
-         chat_template: str | os.PathLike | None = None, rederive: bool = False) -> LLM:  # fmt: skip
+         chat_template: str | os.PathLike | None = None, rederive: bool = False, speculate: str | None = None) -> LLM:  # fmt: skip
     """Load a model: a registry name (default ``smollm2-135m-instruct-q4_1``; it must have been downloaded with
     ``detinfer pull NAME``, else PullError) or a path to a ``.gguf`` file.
 
@@ -305,12 +310,17 @@ def load(model: str | os.PathLike | None = None, *, n_ctx: int = 4096, threads: 
     chat_template: a built-in format ("gemma", "chatml") or a jinja file, for a model without its own;
     rederive: use no file derived from the model (GGUF index, tokenizer caches, repacked weights): all of it is
     computed from the GGUF alone and nothing is kept (same bytes, a slower load; numba's JIT cache is the caller's:
-    point ``NUMBA_CACHE_DIR`` at a fresh folder before importing detinfer, as the CLI's ``--rederive`` does).
-    Raises PullError, GGUFError (missing, truncated or unsupported file), InputError (bad n_ctx or threads), KVTypeError.
+    point ``NUMBA_CACHE_DIR`` at a fresh folder before importing detinfer, as the CLI's ``--rederive`` does);
+    speculate: "ngram" drafts tokens by prompt lookup and checks them in one forward (compute.speculate): the same
+    tokens, digests and KV in fewer forwards where the output repeats its context (never changes a result).
+    Raises PullError, GGUFError (missing, truncated or unsupported file), InputError (bad n_ctx, threads or
+    speculate), KVTypeError.
     """
     set_threads(threads)
+    check_speculate(speculate)
     template = ChatTemplate.from_option(str(chat_template)) if chat_template is not None else None
-    return LLM(Engine.load(model, n_ctx=n_ctx, kv_type=kv_type, rederive=rederive), threads=threads, chat_template=template)
+    return LLM(Engine.load(model, n_ctx=n_ctx, kv_type=kv_type, rederive=rederive), threads=threads, chat_template=template,
+               speculate=speculate)
 
 
 def read_prompt_file(path: str | os.PathLike) -> str:

@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterable
 from ..compute.engine import DEFAULT_CHUNK, check_chunk_size, set_threads
 from ..compute.generate import Step
 from ..compute.prefix_cache import PrefixCache
+from ..compute.speculate import check_speculate
 from ..errors import InputError
 from ..records.engines import EngineCache
 from ..records.kvfile import inspect_kv
@@ -58,12 +59,15 @@ def verify(paths: str | os.PathLike | Iterable[str | os.PathLike], *, model: str
 def replay(paths: str | os.PathLike | Iterable[str | os.PathLike], *, model: str | os.PathLike | None = None,
            threads: int | None = None, use_cache: bool = True, kv_dir: str | os.PathLike | None = None,
            until: int | None = None, cache_bytes: int = 1 << 30, warn: Callable[[str], None] | None = None,
-           on_result: Callable[[Outcome], None] | None = None, rederive: bool = False) -> list[Outcome]:  # fmt: skip
+           on_result: Callable[[Outcome], None] | None = None, rederive: bool = False,
+           speculate: str | None = None) -> list[Outcome]:  # fmt: skip
     """Re-execute every turn of recorded sessions (files, or folders of ``*.json``): one Outcome per file with a row
     per turn (``turns``; ``rows()`` as ``detinfer replay --json`` prints them). ``use_cache`` False recomputes every
     prefix; ``kv_dir`` restores each turn's prefix from its .detkv snapshot and ``until`` replays the first N turns
-    (both: one file); ``rederive`` as in :func:`verify` (not the prefix reuse ``use_cache`` is about). InputError for a path that is not a session file or folder, or a bad option."""
+    (both: one file); ``rederive`` as in :func:`verify` (not the prefix reuse ``use_cache`` is about); ``speculate``
+    ("ngram") re-executes with speculative decoding (same bytes, see :func:`load`). InputError for a path that is not a session file or folder, or a bad option."""
     set_threads(threads)
+    check_speculate(speculate)
     files = collect_sessions(_paths(paths))
     if (kv_dir is not None or until is not None) and len(files) > 1:
         raise InputError("--until, --then and --kv-dir apply to one session file, not a folder")
@@ -71,7 +75,8 @@ def replay(paths: str | os.PathLike | Iterable[str | os.PathLike], *, model: str
         turns = len(load_session(files[0]).turns)
         if not 1 <= until <= turns:
             raise InputError(f"--until {until} is out of range; the session has {turns} turns")
-    options = ReplayOptions(use_cache=use_cache, kv_dir=None if kv_dir is None else Path(kv_dir), until=until, warn=warn)
+    options = ReplayOptions(use_cache=use_cache, kv_dir=None if kv_dir is None else Path(kv_dir), until=until, warn=warn,
+                            speculate=speculate)
     engines = EngineCache(None if model is None else str(model), cache_bytes=cache_bytes, rederive=rederive)
     outcomes = []
     for f in files:
@@ -83,21 +88,23 @@ def replay(paths: str | os.PathLike | Iterable[str | os.PathLike], *, model: str
 
 def rerun(path: str | os.PathLike, *, model: str | os.PathLike | None = None, threads: int | None = None,
           chunk_size: int = DEFAULT_CHUNK, on_step: Callable[[Step], None] | None = None,
-          warm_up: Callable[[Callable[[], None]], None] | None = None, rederive: bool = False) -> Outcome:  # fmt: skip
+          warm_up: Callable[[Callable[[], None]], None] | None = None, rederive: bool = False,
+          speculate: str | None = None) -> Outcome:  # fmt: skip
     """Re-execute one run manifest from its recorded inputs (``detinfer run --manifest``), streaming its steps to
     ``on_step``: the Outcome (``reexecuted``: the new run's manifest, to save). ``chunk_size`` never changes a result;
     ``warm_up(compile)``, if given, runs the kernels' compile-or-load pass (the CLI shows a status around it);
-    ``rederive`` as in :func:`verify`.
+    ``rederive`` as in :func:`verify`; ``speculate`` as in :func:`replay`.
     Raises DetinferError if the file is not a valid run manifest or its model cannot be loaded."""
     set_threads(threads)
     check_chunk_size(chunk_size)
+    check_speculate(speculate)
     record = read_record(path, "manifest")
     if record.kind != "manifest":
         raise InputError(f"{path} is a {record.kind}, not a run manifest; re-execute it with detinfer verify")
     engines = EngineCache(None if model is None else str(model), rederive=rederive)
     engine = engines.for_record(record)
     (warm_up or (lambda compile_: compile_()))(engine.warm_up)
-    out = reexecute(record, engines, ReplayOptions(chunk_size=chunk_size, on_step=on_step))
+    out = reexecute(record, engines, ReplayOptions(chunk_size=chunk_size, on_step=on_step, speculate=speculate))
     if out.status == BAD_INPUT:
         raise InputError(out.message)
     return out

@@ -84,7 +84,9 @@ def flag(*names: str, help: str) -> Any:  # noqa: A002 (typer's name)
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Registry name or path to a .gguf file.")]
 CtxOpt = Annotated[int, typer.Option("--ctx", "-c", "--ctx-size", help="KV cache positions (n_ctx), at most the model's context length.")]
 KvOpt = Annotated[str, typer.Option("--kv-type", help="KV cache type: f32 or f16. Quantized types are rejected.")]
-ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", help="Threads (default: all cores). Never changes a result.")]
+ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", help="Threads (default: the cores other processes leave free). Never changes a result.")]
+SpeculateOpt = Annotated[Optional[str], typer.Option(
+    "--speculate", metavar="ngram", help="Speculative decoding: ngram drafts tokens from the context (prompt lookup), checked in one forward. Never changes a result.")]
 CacheBytesOpt = Annotated[int, typer.Option("--cache-bytes", help="Byte budget of the in-memory prefix cache (LRU).")]
 DEFAULT_CACHE_BYTES = 1 << 30
 ChatTemplateOpt = Annotated[Optional[str], typer.Option(

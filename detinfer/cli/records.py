@@ -31,6 +31,7 @@ from .common import (
     QuietOpt,
     RayOpt,
     RederiveOpt,
+    SpeculateOpt,
     ThreadsOpt,
     app,
     check_outputs,
@@ -134,6 +135,7 @@ def replay(
     paths: Annotated[list[Path], typer.Argument(help="Recorded session files, or folders of them (e.g. serve --record DIR).")],
     model: ModelOpt = None,
     threads: ThreadsOpt = None,
+    speculate: SpeculateOpt = None,
     no_cache: Annotated[bool, flag("--no-cache", help="Recompute every prefix from scratch.")] = False,
     kv_dir: Annotated[Optional[Path], typer.Option("--kv-dir", help="Restore each turn's prefix from saved snapshots.")] = None,
     until: Annotated[Optional[int], typer.Option("--until", help="Replay only the first N turns.")] = None,
@@ -162,12 +164,12 @@ def replay(
             err.print(f"replayed {until} turn(s) exactly, then ran new turn(s); session: {escape(str(out_path))}")
             return
         if ray is not None or actors is not None:
-            options = api.ReplayOptions(use_cache=not no_cache)
+            options = api.ReplayOptions(use_cache=not no_cache, speculate=api.check_speculate(speculate))
             outcomes = fan_out("replayed", partial(reexecute_task, model=model, options=options), read_records(api.collect_sessions(paths)),
                                reexecute_failed, ray=ray, threads=threads, actors=actors, rederive=rederive)  # fmt: skip
         else:
             outcomes = api.replay(paths, model=model, threads=threads, use_cache=not no_cache, kv_dir=kv_dir, until=until,
-                                  cache_bytes=cache_bytes, warn=warn, rederive=rederive)  # fmt: skip
+                                  cache_bytes=cache_bytes, warn=warn, rederive=rederive, speculate=speculate)  # fmt: skip
     except DetinferError as e:
         fail(e)
     rows = [row for r in outcomes for row in r.rows()]
@@ -204,6 +206,7 @@ def session_run(
     ctx: CtxOpt = 4096,
     kv_type: KvOpt = "f32",
     threads: ThreadsOpt = None,
+    speculate: SpeculateOpt = None,
     cache_bytes: CacheBytesOpt = DEFAULT_CACHE_BYTES,
     quiet: QuietOpt = False,
 ) -> None:
@@ -211,7 +214,7 @@ def session_run(
     try:
         check_outputs({"--out": out_path}, {"--kv-dir": kv_dir})
         sc = api.load_script(script)
-        llm = api.load(model or sc.model, n_ctx=ctx, kv_type=kv_type, threads=threads, chat_template=chat_template)
+        llm = api.load(model or sc.model, n_ctx=ctx, kv_type=kv_type, threads=threads, chat_template=chat_template, speculate=speculate)
         llm.session(sc, cache_bytes=cache_bytes, out=out_path, kv_dir=kv_dir, on_step=streamer(quiet),
                     on_turn=lambda i, rec: (None if quiet else sys.stdout.write("\n"), _turn_line(i, rec)))  # fmt: skip
     except DetinferError as e:
@@ -229,6 +232,7 @@ def chat(
     ctx: CtxOpt = 4096,
     kv_type: KvOpt = "f32",
     threads: ThreadsOpt = None,
+    speculate: SpeculateOpt = None,
     temperature: Annotated[float, typer.Option("--temperature", "--temp")] = 0.0,
     top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
     seed: Annotated[int, typer.Option("--seed", "-s")] = 0,
@@ -237,7 +241,7 @@ def chat(
     """Interactive multi-turn chat (empty line or EOF ends it); recorded turn by turn with --record."""
     try:
         check_outputs({"--record": record_path})
-        llm = api.load(model, n_ctx=ctx, kv_type=kv_type, threads=threads, chat_template=chat_template)
+        llm = api.load(model, n_ctx=ctx, kv_type=kv_type, threads=threads, chat_template=chat_template, speculate=speculate)
         conv = llm.conversation(system=system, temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens)
         compiling(llm.warm_up)
         while True:

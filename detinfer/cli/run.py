@@ -22,6 +22,7 @@ from .common import (
     QuietOpt,
     RayOpt,
     RederiveOpt,
+    SpeculateOpt,
     ThreadsOpt,
     app,
     check_outputs,
@@ -51,16 +52,17 @@ def _summary(m, out_path: Optional[Path]) -> None:
     err.print(
         f"[dim]{len(m.output.token_ids)} tokens, stop: {m.output.stop_reason}; prefill {t.get('prefill_tok_s', 0)} tok/s, "
         f"decode {t.get('decode_tok_s', 0)} tok/s, threads {m.informative.threads}; KV {m.output.kv_sha256[:16]}…"
+        + (f"; drafts taken {int(t['accepted_tokens'])} of {int(t['draft_tokens'])}" if "draft_tokens" in t else "")
         + (f"; manifest: {escape(str(out_path))}" if out_path else "")
         + "[/]"
     )
 
 
 def _rerun(manifest: Path, *, model: Optional[str], threads: Optional[int], chunk_size: int, out_path: Optional[Path], quiet: bool,
-           rederive: bool) -> None:  # fmt: skip
+           rederive: bool, speculate: Optional[str]) -> None:  # fmt: skip
     """``run --manifest``: re-execute the recorded inputs, stream the text, say match or what differs."""
     outcome = api.rerun(manifest, model=model, threads=threads, chunk_size=chunk_size, on_step=streamer(quiet), warm_up=compiling,
-                        rederive=rederive)  # fmt: skip
+                        rederive=rederive, speculate=speculate)  # fmt: skip
     actual = outcome.reexecuted
     if not quiet:
         sys.stdout.write("\n")
@@ -103,6 +105,7 @@ def run(
     ctx: CtxOpt = 4096,
     kv_type: KvOpt = "f32",
     threads: ThreadsOpt = None,
+    speculate: SpeculateOpt = None,
     chunk_size: Annotated[int, typer.Option("--chunk-size", help="Prefill tokens per chunk. Never changes a result.")] = 64,
     out_path: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the run manifest here.")] = None,
     quiet: QuietOpt = False,
@@ -122,7 +125,8 @@ def run(
         if manifest is not None:
             if given := _given(cli_ctx, _RECORDED_OPTIONS):
                 raise InputError(f"--manifest re-executes the recorded inputs and settings; drop {', '.join(given)}")
-            _rerun(manifest, model=model, threads=threads, chunk_size=chunk_size, out_path=out_path, quiet=quiet, rederive=rederive)
+            _rerun(manifest, model=model, threads=threads, chunk_size=chunk_size, out_path=out_path, quiet=quiet, rederive=rederive,
+                   speculate=speculate)
             return
         if sum(x is not None for x in (prompt, prompt_file, messages)) != 1:
             raise InputError("give exactly one of --prompt, --prompt-file, --messages (or --manifest)")
@@ -140,7 +144,8 @@ def run(
         api.Sampling.create(**options)  # bad sampling values fail before the model is loaded
         constraint = api.constraint_from_options(json_schema=json_schema, json_object=json_object, regex=regex, grammar=grammar,
                                                  ignore_eos=ignore_eos)  # fmt: skip
-        llm = api.load(model, n_ctx=ctx, kv_type=kv_type, threads=threads, chat_template=chat_template, rederive=rederive)
+        llm = api.load(model, n_ctx=ctx, kv_type=kv_type, threads=threads, chat_template=chat_template, rederive=rederive,
+                       speculate=speculate)
         chat_input = msgs if msgs is not None else text if chat else None
         steps = llm.stream(None if chat_input is not None else text, messages=chat_input, chunk_size=chunk_size, constraint=constraint,
                            **options)  # fmt: skip

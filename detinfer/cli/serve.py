@@ -20,6 +20,7 @@ from .common import (
     CtxOpt,
     KvOpt,
     ModelOpt,
+    SpeculateOpt,
     ThreadsOpt,
     app,
     check_outputs,
@@ -39,6 +40,7 @@ def serve(
     ctx: CtxOpt = 4096,
     kv_type: KvOpt = "f32",
     threads: ThreadsOpt = None,
+    speculate: SpeculateOpt = None,
     cache_bytes: CacheBytesOpt = DEFAULT_CACHE_BYTES,
     record_dir: Annotated[Optional[Path], typer.Option("--record", help="Record every request into session files in this directory.")] = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="DETINFER_API_KEY", show_envvar=True,
@@ -55,13 +57,13 @@ def serve(
     try:
         check_outputs({}, {"--record": record_dir, "--kv-dir": kv_dir})
         sock = listen.bind(host, port)
-        llm = api.load(model, n_ctx=ctx, kv_type=kv_type, threads=threads, chat_template=chat_template)  # the decode worker sets threads again on its own thread
+        llm = api.load(model, n_ctx=ctx, kv_type=kv_type, threads=threads, chat_template=chat_template, speculate=speculate)  # the decode worker sets threads again on its own thread
         engine = llm.engine
         compiling(llm.warm_up)
         settings = ServerSettings(max_queue=max_queue, max_inflight=max_inflight, threads=threads, cache_bytes=cache_bytes,
                                   record_dir=record_dir, api_key=api_key or None, send_timeout=send_timeout,
                                   chat_template=llm.chat_template, drain_s=drain, body_timeout=read_timeout,
-                                  aliases=tuple(alias or ()), kv_dir=kv_dir, kv_dir_bytes=kv_dir_bytes)
+                                  aliases=tuple(alias or ()), kv_dir=kv_dir, kv_dir_bytes=kv_dir_bytes, speculate=speculate)
         app_ = create_app(engine, settings)
     except DetinferError as e:
         fail(e)

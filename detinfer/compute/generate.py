@@ -21,6 +21,7 @@ from .kvcache import KVCache
 from .prefix_cache import PrefixCache
 from .sampler import log_softmax_at, sample, top_logits
 from .sampling import Sampling
+from .speculate import DraftPolicy, NgramDrafter, check_speculate
 
 DIGEST_SEED = hashlib.sha256(b"detinfer-logits/1").hexdigest()
 # "stop_cut": a stop string cut a constrained output before its grammar ended it (with an end-of-generation token),
@@ -84,6 +85,8 @@ class GenerationResult:
     mask_digests: list[str] = field(default_factory=list)  # only with a constraint
     kv_sha256: str = ""
     reused_tokens: int = 0
+    draft_tokens: int = 0  # with speculate: tokens drafted, and of them sampled as drafted
+    accepted_tokens: int = 0
     timings: Timings = field(default_factory=Timings)
 
 
@@ -138,6 +141,7 @@ def generate(
     logprobs_k: int | None = None,
     constraint: Constraint | None = None,
     prefix_cache: PrefixCache | None = None,
+    speculate: str | None = None,
 ) -> Iterator[Step]:
     """Prefill ``prompt_tokens`` and generate up to ``sampling.max_tokens`` tokens, yielding one Step per token.
 
@@ -154,7 +158,10 @@ def generate(
     logits (see Step). ``constraint`` (optional): before each sampled token, the tokens its grammar does not allow
     next get -inf logits (constrain.Guide); end-of-generation tokens are allowed only where the grammar accepts. Digests,
     top logits and logprobs stay those of the raw logits; each step's mask digest goes to ``Step.mask_digest`` and
-    ``result.mask_digests``. Raises InputError for an empty or too-long prompt; ConstraintError
+    ``result.mask_digests``. ``speculate="ngram"`` drafts tokens by prompt lookup and checks them in one forward
+    (compute.speculate): the same Steps, digests and KV, in fewer forwards where the text repeats its context (counts
+    in ``result.draft_tokens`` / ``accepted_tokens``); ignored for a cache that cannot be truncated.
+    Raises InputError for an empty or too-long prompt or an unknown ``speculate``; ConstraintError
     for a constraint that does not compile, with ``ignore_eos`` (the grammar ends with an end token), or that can
     no longer be completed.
     """
@@ -165,6 +172,7 @@ def generate(
     if logprobs_k is not None and (isinstance(logprobs_k, bool) or not isinstance(logprobs_k, int) or logprobs_k < 0):
         raise InputError(f"logprobs_k must be an int >= 0 or None, got {logprobs_k!r}")
     check_ignore_eos(constraint, ignore_eos)
+    check_speculate(speculate)
     guide = Guide(constraint, engine.tokenizer) if constraint is not None else None
     res = result if result is not None else GenerationResult()
     cache = cache if cache is not None else engine.new_cache()
@@ -183,55 +191,87 @@ def generate(
     res.reused_tokens = reused
     t0 = time.perf_counter()
     index = 0
-    while True:
-        position = cache.n_tokens
-        if position >= engine.n_ctx:
-            res.stop_reason = "length"
-            res.kv_sha256 = cache.digest()
-            if prefix_cache is not None:
-                prefix_cache.store(cache)
-            yield Step(index, position, None, matcher.finish(), digest, [], "length")
-            return
-        mdigest = None
-        if guide is not None:
-            token = sample(guide.mask(logits), sampling, position, history)
-            mdigest = guide.digest
-            res.mask_digests.append(mdigest)
-        else:
-            token = sample(logits, sampling, position, history)
-        digest = chain_digest(digest, logits)
-        top = top_logits(logits, 5)
-        lp, top_lp = None, None
-        if logprobs_k is not None:
-            ranked = top if logprobs_k <= len(top) else top_logits(logits, logprobs_k)
-            ids = [token] + [i for i, _ in ranked[:logprobs_k]]
-            values = log_softmax_at(logits, ids)
-            lp, top_lp = values[0], list(zip(ids[1:], values[1:]))
-            res.logprobs.append((lp, top_lp))
-        res.tokens.append(token)
-        res.digests.append(digest)
-        res.top.append(top)
-        history.append(token)
-        if token in eog:
-            reason, text = "eos", matcher.finish()
-        else:
+    drafter = NgramDrafter(history) if speculate and cache.truncatable else None
+    policy = DraftPolicy()
+    ahead: list[int] = []  # draft tokens in the cache past the accepted ones; rows[i] are the logits after ahead[i]
+    rows: list[np.ndarray] = []
+    drafted = 0  # the length of the last draft
+    held = cache.n_tokens  # the positions a cache without drafts would hold now
+    try:
+        while True:
+            position = held = cache.n_tokens - len(ahead)
+            if position >= engine.n_ctx:
+                res.stop_reason = "length"
+                res.kv_sha256 = cache.digest()
+                if prefix_cache is not None:
+                    prefix_cache.store(cache)
+                yield Step(index, position, None, matcher.finish(), digest, [], "length")
+                return
+            mdigest = None
             if guide is not None:
-                guide.consume(token)
-            text, hit = matcher.push(decoder.feed(token))
-            stop_hit = "stop" if guide is None else "stop_cut"
-            reason = stop_hit if hit else "max_tokens" if index + 1 >= max_tokens else "length" if position + 1 >= engine.n_ctx else None
-            if reason in ("max_tokens", "length"):
-                text += matcher.finish()
-        res.text += text
-        if reason is not None:
-            res.stop_reason = reason
-            res.timings.decode_s = time.perf_counter() - t0
-            res.timings.decode_tokens = index
-            res.kv_sha256 = cache.digest()
-            if prefix_cache is not None:
-                prefix_cache.store(cache)
-            yield Step(index, position, token, text, digest, top, reason, lp, top_lp, mdigest)
-            return
-        yield Step(index, position, token, text, digest, top, None, lp, top_lp, mdigest)
-        logits = engine.forward([token], cache)
-        index += 1
+                token = sample(guide.mask(logits), sampling, position, history)
+                mdigest = guide.digest
+                res.mask_digests.append(mdigest)
+            else:
+                token = sample(logits, sampling, position, history)
+            digest = chain_digest(digest, logits)
+            top = top_logits(logits, 5)
+            lp, top_lp = None, None
+            if logprobs_k is not None:
+                ranked = top if logprobs_k <= len(top) else top_logits(logits, logprobs_k)
+                ids = [token] + [i for i, _ in ranked[:logprobs_k]]
+                values = log_softmax_at(logits, ids)
+                lp, top_lp = values[0], list(zip(ids[1:], values[1:]))
+                res.logprobs.append((lp, top_lp))
+            res.tokens.append(token)
+            res.digests.append(digest)
+            res.top.append(top)
+            history.append(token)
+            if token in eog:
+                reason, text = "eos", matcher.finish()
+            else:
+                if guide is not None:
+                    guide.consume(token)
+                text, hit = matcher.push(decoder.feed(token))
+                stop_hit = "stop" if guide is None else "stop_cut"
+                reason = stop_hit if hit else "max_tokens" if index + 1 >= max_tokens else "length" if position + 1 >= engine.n_ctx else None
+                if reason in ("max_tokens", "length"):
+                    text += matcher.finish()
+            res.text += text
+            if reason is not None:
+                if cache.n_tokens > position:
+                    cache.truncate(position)
+                res.stop_reason = reason
+                res.timings.decode_s = time.perf_counter() - t0
+                res.timings.decode_tokens = index
+                res.kv_sha256 = cache.digest()
+                if prefix_cache is not None:
+                    prefix_cache.store(cache)
+                yield Step(index, position, token, text, digest, top, reason, lp, top_lp, mdigest)
+                return
+            yield Step(index, position, token, text, digest, top, None, lp, top_lp, mdigest)
+            index += 1
+            if ahead and ahead[0] == token:  # the draft was right: its logits are already computed
+                ahead.pop(0)
+                logits = rows.pop(0)
+                res.accepted_tokens += 1
+                continue
+            if drafter is None:
+                logits = engine.forward([token], cache)
+                continue
+            if drafted:
+                policy.taken(drafted, drafted - len(ahead))
+            if ahead:  # the first draft token that differs from the sampled one, and those after it
+                cache.truncate(position)
+            fits = min(max_tokens - index - 1, engine.n_ctx - position - 2)  # drafts whose rows are sampled from
+            draft = drafter.draft(min(policy.size(), fits)) if fits > 0 else []
+            if draft:
+                out = engine.forward([token, *draft], cache, all_logits=True)
+                logits, rows, ahead = out[0], list(out[1:]), draft
+            else:
+                logits, rows, ahead = engine.forward([token], cache), [], []
+            drafted = len(draft)
+            res.draft_tokens += drafted
+    finally:
+        if cache.n_tokens > held:  # a consumer that stops early leaves the cache as decoding without drafts would
+            cache.truncate(held)

@@ -37,13 +37,14 @@ def replay_turns(
     until: int | None = None,
     warn: Callable[[str], None] | None = None,
     prefix_cache: PrefixCache | None = None,
+    speculate: str | None = None,
 ) -> list[tuple[TurnRecord, list[str], int | None]]:
     """Re-execute recorded turns: for each, (actual turn, differing fields, first divergent step). A record of other
     numerics (detinfer/numerics.py) differs in every turn, named first.
 
     ``use_cache`` False recomputes every prefix from scratch (and ignores ``prefix_cache``); ``kv_dir`` restores
     each turn's prefix from the snapshot saved after the previous turn (a bad snapshot is a cache miss: recompute,
-    warn). Raises ManifestError (bad input) for a record of another model or whose messages do not bind to its tokens
+    warn); ``speculate``: a drafter (compute.speculate), never changing a byte. Raises ManifestError (bad input) for a record of another model or whose messages do not bind to its tokens
     (records/binding.py).
     """
     if record.model.sha256 != engine.model_file.sha256:
@@ -62,7 +63,7 @@ def replay_turns(
         elif kv_dir is not None and i > 0:
             cache = _restore_snapshot(engine, Path(kv_dir) / f"turn-{i:03d}.detkv", record.turns[i - 1].kv_sha256, warn) or cache
         actual = run_turn(engine, conv, cache, [m.model_dump() for m in turn.messages], turn.sampling, recorded=turn,
-                          prefix_cache=prefix_cache if use_cache else None, constraint=recorded_constraint(turn))
+                          prefix_cache=prefix_cache if use_cache else None, constraint=recorded_constraint(turn), speculate=speculate)
         diffs = compare_turn(turn, actual)
         if record.tokenizer_sha256 != engine.tokenizer.hash:
             diffs.insert(0, "tokenizer_sha256")

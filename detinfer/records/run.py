@@ -123,14 +123,18 @@ def execute(
     on_step: Callable[[Step], None] | None = None,
     template: ChatTemplate | None = None,
     constraint: Constraint | None = None,
+    speculate: str | None = None,
 ) -> RunManifest:
     """Generate from ``prompt`` with ``sampling`` and return the (sealed) manifest of the run.
 
     ``on_step`` is called for every step as it is produced (e.g. to stream text to a terminal). ``template``: the
     chat template ``build_prompt`` was given, recorded with its text unless it is the model's own. ``constraint``:
     the grammar the output must match (recorded as the ``constraint`` section, with the mask digest chain).
+    ``speculate``: a drafter for speculative decoding (compute.speculate; never changes the manifest's contract,
+    its counts go to the informative timings).
     """
-    steps = execute_steps(engine, prompt, sampling, chunk_size=chunk_size, template=template, constraint=constraint)
+    steps = execute_steps(engine, prompt, sampling, chunk_size=chunk_size, template=template, constraint=constraint,
+                          speculate=speculate)
     while True:
         try:
             step = next(steps)
@@ -148,11 +152,13 @@ def execute_steps(
     chunk_size: int = DEFAULT_CHUNK,
     template: ChatTemplate | None = None,
     constraint: Constraint | None = None,
+    speculate: str | None = None,
 ) -> Generator[Step, None, RunManifest]:
     """``execute`` as a generator: yields each Step as it is produced and returns the sealed manifest (the value
     of its StopIteration)."""
     res = GenerationResult()
-    yield from generate(engine, prompt.token_ids, sampling, chunk_size=chunk_size, result=res, constraint=constraint)
+    yield from generate(engine, prompt.token_ids, sampling, chunk_size=chunk_size, result=res, constraint=constraint,
+                        speculate=speculate)
     output = OutputRecord(
         token_ids=res.tokens,
         text=res.text,
@@ -177,7 +183,7 @@ def execute_steps(
         informative=Informative(
             threads=numba.get_num_threads(),
             chunk_size=chunk_size,
-            timings=res.timings.rates(),
+            timings=res.timings.rates() | ({"draft_tokens": res.draft_tokens, "accepted_tokens": res.accepted_tokens} if speculate else {}),
             cpu=cpu_name(),
             versions=versions(),
             model_path=str(engine.model_file.path),
@@ -252,7 +258,8 @@ def excerpts(a, b, width: int = 80) -> tuple[str, str]:
     return cut(sa), cut(sb)
 
 
-def reexecute_manifest(manifest: RunManifest, engine: Engine, *, chunk_size: int = DEFAULT_CHUNK, on_step=None) -> tuple[RunManifest, Comparison]:
+def reexecute_manifest(manifest: RunManifest, engine: Engine, *, chunk_size: int = DEFAULT_CHUNK, on_step=None,
+                       speculate: str | None = None) -> tuple[RunManifest, Comparison]:
     """Run a recorded manifest's inputs again (its exact prompt token ids) and compare the contract fields."""
     if engine.model_file.sha256 != manifest.model.sha256:
         raise ManifestError("the manifest's model sha256 does not match the loaded model")
@@ -261,7 +268,7 @@ def reexecute_manifest(manifest: RunManifest, engine: Engine, *, chunk_size: int
     retokenized = build_prompt(engine, text=p.text, messages=[m.model_dump() for m in p.messages] if p.messages and p.text is None else None,
                                chat=p.chat, template=template)
     actual = execute(engine, p, manifest.sampling, chunk_size=chunk_size, on_step=on_step, template=template,
-                     constraint=manifest.constraint)
+                     constraint=manifest.constraint, speculate=speculate)
     comparison = compare(manifest, actual)
     if retokenized.token_ids != p.token_ids:
         extra = Difference("prompt.token_ids (re-tokenized)", *excerpts(p.token_ids, retokenized.token_ids))

@@ -40,14 +40,16 @@ DEFAULT_TEXT = (
 )
 
 
-def fingerprint(engine: Engine, tokens: list[int], *, chunk_size: int, gen_tokens: int = 8, seed: int = 7) -> dict:
+def fingerprint(engine: Engine, tokens: list[int], *, chunk_size: int, gen_tokens: int = 8, seed: int = 7,
+                speculate: str | None = None, result: GenerationResult | None = None) -> dict:  # fmt: skip
     """sha256 of the logits at every prompt position and of the KV cache after the prompt, plus a seeded
-    sampled continuation (token ids and logits digest chain) of ``gen_tokens`` tokens."""
+    sampled continuation (token ids and logits digest chain) of ``gen_tokens`` tokens, decoded with the drafter
+    ``speculate`` if given; ``result`` receives the continuation (its draft counts)."""
     cache = engine.new_cache()
     logits = engine.forward(tokens, cache, all_logits=True, chunk_size=chunk_size)
-    res = GenerationResult()
+    res = result if result is not None else GenerationResult()
     sampling = Sampling.create(temperature=0.8, top_p=0.9, top_k=40, seed=seed, max_tokens=gen_tokens, ignore_eos=True)
-    for _ in generate(engine, tokens, sampling, chunk_size=chunk_size, result=res):
+    for _ in generate(engine, tokens, sampling, chunk_size=chunk_size, result=res, speculate=speculate):
         pass
     return {
         "prompt_logits_sha256": hashlib.sha256(logits.astype("<f4").tobytes()).hexdigest(),
@@ -169,6 +171,13 @@ def matrix(engine: Engine, model: str | None, *, text: str = DEFAULT_TEXT, proce
         restored.restore(load_kv(path, model_sha256=engine.model_file.sha256))
     rest = engine.forward(tokens[split:], restored, all_logits=True)
     add(_compare_logits("KV saved to a .detkv file and restored vs never saved", np.concatenate([first, rest]), base, restored.digest(), base_kv))
+    repeated = engine.tokenizer.encode(text + "\n\n" + text)  # a model tends to go on quoting: drafts are taken
+    drafts = GenerationResult()
+    spec = fingerprint(engine, repeated, chunk_size=64, gen_tokens=48, speculate="ngram", result=drafts)
+    row = _compare_fingerprints("speculative decoding (ngram drafts) vs none, sampled", spec,
+                                fingerprint(engine, repeated, chunk_size=64, gen_tokens=48))
+    row.note = " ".join(filter(None, (row.note, f"drafts taken {drafts.accepted_tokens} of {drafts.draft_tokens}")))
+    add(row)
     with reassociated_rmsnorm():
         control, control_kv = run(len(tokens))
     row = _compare_logits("negative control: reassociated RMSNorm must differ", control, base, control_kv, base_kv)

@@ -274,6 +274,7 @@ def run_turn(
     on_step: Callable[[Step], None] | None = None,
     prefix_cache: PrefixCache | None = None,
     constraint: Constraint | None = None,
+    speculate: str | None = None,
 ) -> TurnRecord:
     """Append ``messages`` and generate one turn, its output matching ``constraint`` if given; or, replaying a
     ``recorded`` turn, append its token ids exactly (after keeping its ``kept_tokens`` of the history), and keep its
@@ -281,7 +282,8 @@ def run_turn(
 
     The cache is reused for whatever prefix it holds; with ``prefix_cache``, a longer cached prefix (from another
     conversation or an earlier branch) is restored first, and the turn's final cache is stored there. Reuse is
-    exact either way. Raises InputError naming the token counts if the turn would overflow n_ctx.
+    exact either way. ``speculate``: a drafter (compute.speculate) that looks up the whole conversation; never
+    changes a byte. Raises InputError naming the token counts if the turn would overflow n_ctx.
     """
     if recorded is None:
         appended, note = conv.append_messages(messages)
@@ -302,7 +304,7 @@ def run_turn(
     res = GenerationResult()
     t0 = time.perf_counter()
     for step in generate(engine, prompt, Sampling.create(**sampling), cache=cache, result=res, constraint=constraint,
-                         prefix_cache=prefix_cache):
+                         prefix_cache=prefix_cache, speculate=speculate):
         if on_step:
             on_step(step)
     record = TurnRecord.of(res, messages, sampling, appended, constraint, time.perf_counter() - t0, template_note=note,
@@ -392,12 +394,13 @@ def run_session(
     on_turn: Callable[[int, TurnRecord], None] | None = None,
     prefix_cache: PrefixCache | None = None,
     template: ChatTemplate | None = None,
+    speculate: str | None = None,
 ) -> SessionRecord:
     """Run scripted turns (after replaying ``prior``'s turns exactly, for branching) and record them.
 
     The record is written to ``out`` after every turn, so a later failing turn loses nothing recorded before it.
     With ``kv_dir`` the KV cache is saved after each turn as ``turn-NNN.detkv``. ``template``: a --chat-template
-    instead of the model's; a branch (``prior``) keeps the template ``prior`` recorded.
+    instead of the model's; a branch (``prior``) keeps the template ``prior`` recorded. ``speculate`` as in run_turn.
     """
     if prior is not None:
         template = recorded_template(prior)
@@ -407,7 +410,7 @@ def run_session(
     if prior is not None:
         for i, turn in enumerate(prior.turns):
             rec = run_turn(engine, conv, cache, [m.model_dump() for m in turn.messages], turn.sampling, recorded=turn,
-                           prefix_cache=prefix_cache, constraint=recorded_constraint(turn))
+                           prefix_cache=prefix_cache, constraint=recorded_constraint(turn), speculate=speculate)
             if compare_turn(turn, rec):
                 raise ManifestError(f"turn {i + 1} of the recorded session does not replay exactly; cannot branch from it")
             records.append(turn)
@@ -423,7 +426,7 @@ def run_session(
         sampling = effective_sampling(default_sampling, turn.sampling)
         try:
             rec = run_turn(engine, conv, cache, [m.model_dump() for m in turn.messages], sampling, on_step=on_step,
-                           prefix_cache=prefix_cache, constraint=constraint)
+                           prefix_cache=prefix_cache, constraint=constraint, speculate=speculate)
         except InputError as e:
             if out is not None:
                 write_session(new_record(engine, records, template), out)

@@ -38,7 +38,8 @@ from .tokenstream import SessionStream
 class ReplayOptions:
     """How sessions are replayed: ``use_cache`` False recomputes every prefix from scratch; ``kv_dir`` restores each
     turn's prefix from its saved .detkv snapshot; ``until`` replays only the first N turns; ``warn`` is told of a
-    snapshot that was not used; ``chunk_size`` / ``on_step`` apply to a run manifest's re-execution."""
+    snapshot that was not used; ``chunk_size`` / ``on_step`` apply to a run manifest's re-execution; ``speculate``
+    re-executes with a drafter (compute.speculate; same bytes)."""
 
     use_cache: bool = True
     kv_dir: Path | None = None
@@ -46,6 +47,7 @@ class ReplayOptions:
     warn: Callable[[str], None] | None = None
     chunk_size: int = DEFAULT_CHUNK  # prefill chunk of a manifest's re-execution (never changes a result)
     on_step: Callable[[Step], None] | None = None  # each step of a manifest's re-execution, as it is produced
+    speculate: str | None = None
 
 
 def _token(engine: Engine, ids: list[int], i: int) -> tuple[int | None, str]:
@@ -74,7 +76,8 @@ def _mismatch_message(recorded_numerics: str, fields: list[str]) -> str:
 
 def _manifest(record: Record, engine: Engine, options: ReplayOptions) -> Outcome:
     manifest: RunManifest = record.body
-    actual, comparison = reexecute_manifest(manifest, engine, chunk_size=options.chunk_size, on_step=options.on_step)
+    actual, comparison = reexecute_manifest(manifest, engine, chunk_size=options.chunk_size, on_step=options.on_step,
+                                            speculate=options.speculate)
     out = Outcome(str(record.path), MATCH if comparison.match else MISMATCH, model=manifest.model.registry_name or manifest.model.file_name,
                   steps=len(manifest.output.token_ids),
                   differences=[d.__dict__ for d in comparison.differences], threads=actual.informative.threads,
@@ -122,7 +125,8 @@ def _turn_outcome(out: Outcome, engine: Engine, rows: list[dict], expected: list
 def _session(record: Record, engine: Engine, options: ReplayOptions, engines: EngineCache) -> Outcome:
     body = record.body
     results = replay_turns(engine, body, use_cache=options.use_cache, kv_dir=options.kv_dir, until=options.until,
-                           warn=options.warn, prefix_cache=engines.prefix_cache(engine) if options.use_cache else None)  # fmt: skip
+                           warn=options.warn, prefix_cache=engines.prefix_cache(engine) if options.use_cache else None,
+                           speculate=options.speculate)  # fmt: skip
     rows, expected, actual = [], [], []
     for i, ((got, diffs, step), want) in enumerate(zip(results, body.turns), start=1):
         row = {"turn": i, "result": "match" if not diffs else "mismatch", "differs": diffs, "first_divergent_step": step,

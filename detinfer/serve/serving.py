@@ -39,6 +39,7 @@ from ..compute.generate import (
 )
 from ..compute.numerics import NUMERICS
 from ..compute.sampler import RNG_PERSON, WEIGHT_BITS
+from ..compute.speculate import check_speculate
 from ..errors import ConstraintError
 from ..model.chat import ChatTemplate
 from ..model.registry import name_for_sha256
@@ -66,6 +67,7 @@ class ServerSettings:
     aliases: tuple[str, ...] = ()  # --alias: more names a request's ``model`` may give (as vLLM's --served-model-name)
     kv_dir: Path | None = None  # --kv-dir: the prefix cache's snapshots also on disk, reloaded at start
     kv_dir_bytes: int = 4 << 30  # --kv-dir-bytes: that folder's budget for this model's files
+    speculate: str | None = None  # --speculate: the decode worker's drafter (compute.speculate; same bytes)
 
 
 STOP_S = 0.25  # seconds the app's shutdown waits for the decode thread (its jobs are cancelled by then)
@@ -96,7 +98,7 @@ class Server:
                            shape=(cfg.n_layer, cfg.n_head_kv, cfg.head_dim))  # fmt: skip
         self.worker = Worker(engine, threads=settings.threads, cache_bytes=settings.cache_bytes,
                              record_dir=settings.record_dir, chat_template=settings.chat_template, drain_s=STOP_S,
-                             kv_dir=kv_dir)  # fmt: skip
+                             kv_dir=kv_dir, speculate=check_speculate(settings.speculate))  # fmt: skip
         self.model_id = name_for_sha256(engine.model_file.sha256) or engine.model_file.path.stem
         path = engine.model_file.path
         # every name a request's model may give: registry name, file name, stem, then the aliases

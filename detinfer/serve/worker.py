@@ -87,8 +87,9 @@ class Worker:
     """The single decode thread (see the module docstring). ``record_dir``: record every finished job there."""
 
     def __init__(self, engine: Engine, *, threads: int | None, cache_bytes: int, record_dir: Path | None,
-                 chat_template: ChatTemplate | None, drain_s: float, kv_dir: KVDir | None = None):  # fmt: skip
-        self.engine, self.threads, self.drain_s = engine, threads, drain_s
+                 chat_template: ChatTemplate | None, drain_s: float, kv_dir: KVDir | None = None,
+                 speculate: str | None = None):  # fmt: skip
+        self.engine, self.threads, self.drain_s, self.speculate = engine, threads, drain_s, speculate
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.kv_dir = kv_dir
         self.prefix = PrefixCache(cache_bytes, store=kv_dir)
@@ -137,7 +138,7 @@ class Worker:
         res = GenerationResult()
         t0 = time.perf_counter()
         for step in generate(self.engine, job.prompt, job.sampling, cache=cache, result=res, logprobs_k=job.logprobs_k,
-                             constraint=job.constraint, prefix_cache=self.prefix):  # fmt: skip
+                             constraint=job.constraint, prefix_cache=self.prefix, speculate=self.speculate):  # fmt: skip
             if job.cancel.is_set():
                 return  # client gone: the partial cache is still an exact prefix for later requests
             if job.stream or job.logprobs_k is not None:  # non-streaming logprobs are built from the same steps
