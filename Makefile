@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= Give me three tips for staying healthy.
 
-.PHONY: run test test-boundscheck verify bench bench-busy profile bench-peers bench-models scale fuzz manifests golden-update install pull clean portability portability-full
+.PHONY: run test test-boundscheck verify bench bench-busy bench-speculate profile bench-peers bench-models scale fuzz manifests golden-update install pull clean portability portability-full
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -118,6 +118,7 @@ bench: pull $(patsubst %,$(PEERS_DIR)/llama-cpp-%/BUILD,$(subst $(comma), ,$(BEN
 		--out bench/results.json --markdown docs/benchmarks.md
 	$(BIN)/detinfer bench kv --plot docs/kv.png --results bench/results.json --markdown docs/benchmarks.md
 	$(MAKE) bench-busy
+	$(MAKE) bench-speculate
 	$(MAKE) profile
 
 # Idle and beside a busy loop holding one core: detinfer at 1, 2 and its default threads, llama.cpp (the host peer)
@@ -125,6 +126,13 @@ bench: pull $(patsubst %,$(PEERS_DIR)/llama-cpp-%/BUILD,$(subst $(comma), ,$(BEN
 bench-busy: pull $(PEERS_DIR)/llama-cpp-host/BUILD $(VENV)/.bench-installed
 	$(BIN)/detinfer pull gemma3-270m-q4_k_m
 	$(BIN)/detinfer bench busy --peer --peers-dir $(PEERS_DIR) --out bench/busy.json --markdown docs/benchmarks.md
+
+# Decode with and without --speculate ngram, on a task that quotes a tool result from its context and on free text,
+# both models at 1 and 2 threads, every run checked byte for byte (bench/speculate.py), into bench/speculate.json and
+# a section of docs/benchmarks.md; about 4 min.
+bench-speculate: pull
+	$(BIN)/detinfer pull gemma3-270m-q4_k_m
+	$(BIN)/detinfer bench speculate --out bench/speculate.json --markdown docs/benchmarks.md
 
 # Where the time goes (bench/profile.py): every kernel call of a real prefill of 512 tokens and 64 decode steps, both
 # models at 1 and 2 threads, as a section of docs/benchmarks.md beside PROFILE_BEFORE (the same run on the commit this

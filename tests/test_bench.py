@@ -42,7 +42,7 @@ from detinfer.bench.report import (
     stats,
 )
 from detinfer.compute.engine import PROGRESS_MARK, Engine
-from detinfer.errors import InputError
+from detinfer.errors import DetinferError, InputError
 from detinfer.model.gguf_file import ModelFile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -384,3 +384,28 @@ def test_busy_bench_measures_every_configuration_idle_and_busy_and_its_section_i
     assert busy.markdown(result) in md.read_text()
     with pytest.raises(InputError, match="make bench-peers"):
         busy.run_busy([str(tiny_model)], runs=1, peer=True, peers_dir=tmp_path, progress=lambda msg: None)
+
+
+def test_speculate_bench_checks_every_run_and_its_section_is_kept(tmp_path, model_path, monkeypatch):
+    """``detinfer bench speculate`` on SmolLM2, one run of few tokens: both tasks and arms measured with their
+    acceptance, floors computed, the section replaced and kept by the main report; a speculative run whose bytes
+    differ (a rollback that keeps one rejected draft) is an error, never a figure. (Speed itself is never asserted.)"""
+    from detinfer.bench import speculate
+    from detinfer.compute.kvcache import KVCache
+
+    monkeypatch.setattr(speculate, "MAX_TOKENS", 48)
+    result = speculate.run_speculate([str(model_path)], threads=(1,), runs=1, progress=lambda msg: None)
+    row = result["models"][str(model_path)]["1"]
+    assert set(row) == set(speculate.TASKS) and all(row[t][arm]["median"] > 0 for t in row for arm in speculate.ARMS)
+    assert row["repeat"]["accepted"] > 0 and len(speculate.floors(result)) == 2
+    out, md = tmp_path / "speculate.json", tmp_path / "benchmarks.md"
+    md.write_text("# Benchmarks\n")
+    speculate.write_speculate(result, out, md)
+    speculate.write_speculate(result, out, md)
+    assert md.read_text().count(bench_report.SPECULATE_BEGIN) == 1 and "| repeat |" in md.read_text()
+    bench_report.write_report(_report(), tmp_path / "results.json", md)
+    assert speculate.markdown(result) in md.read_text()
+    truncate = KVCache.truncate
+    monkeypatch.setattr(KVCache, "truncate", lambda self, n: truncate(self, min(self.n_tokens, n + 1)))
+    with pytest.raises(DetinferError, match="speculative decoding changed the output"):
+        speculate.run_speculate([str(model_path)], threads=(1,), runs=1, progress=lambda msg: None)

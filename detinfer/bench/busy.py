@@ -11,7 +11,6 @@ to ``bench/busy.json`` and a section of docs/benchmarks.md (kept when the main s
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -19,8 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..errors import InputError
-from ..fileio import atomic_write_text
-from .report import BUSY_BEGIN, BUSY_END, display_name, stats
+from .report import BUSY_BEGIN, BUSY_END, display_name, stats, write_section
 from .suite import _machine, _Worker, peer_dir
 
 CELLS = (("prefill_256", "prefill", 256), ("decode_64", "decode", 64))
@@ -116,15 +114,4 @@ def markdown(result: dict) -> str:
 
 def write_busy(result: dict, out: Path, markdown_path: Path) -> None:
     """``result`` as JSON at ``out`` and as the busy section of ``markdown_path`` (replaced, or appended)."""
-    atomic_write_text(out, json.dumps(result, indent=1, sort_keys=True) + "\n")
-    try:
-        text = markdown_path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        text = ""
-    start, end = text.find(BUSY_BEGIN), text.find(BUSY_END)
-    section = markdown(result)
-    if 0 <= start < end:
-        text = text[:start] + section + text[end + len(BUSY_END) + 1 :]
-    else:
-        text = text + ("\n" if text and not text.endswith("\n\n") else "") + section
-    atomic_write_text(markdown_path, text)
+    write_section(result, out, markdown_path, markdown(result), BUSY_BEGIN, BUSY_END)

@@ -10,6 +10,7 @@ the KV-cache curve and the warnings.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 from pathlib import Path
@@ -202,21 +203,39 @@ def load_report(path: Path) -> BenchReport:
 
 PROFILE_BEGIN, PROFILE_END = "<!-- profile: bench/profile.py -->", "<!-- /profile -->"
 BUSY_BEGIN, BUSY_END = "<!-- busy: detinfer bench busy -->", "<!-- /busy -->"
+SPECULATE_BEGIN, SPECULATE_END = "<!-- speculate: detinfer bench speculate -->", "<!-- /speculate -->"
+KEPT_SECTIONS = ((BUSY_BEGIN, BUSY_END), (SPECULATE_BEGIN, SPECULATE_END), (PROFILE_BEGIN, PROFILE_END))
 
 
 def kept_section(markdown_path: Path) -> str:
-    """The sections other commands wrote into an existing markdown file (the busy-core figures between BUSY_BEGIN
-    and BUSY_END, the per-kernel profile between PROFILE_BEGIN and PROFILE_END), or ""."""
+    """The sections other commands wrote into an existing markdown file (KEPT_SECTIONS: the busy-core and
+    speculation figures, the per-kernel profile, each between its markers), or ""."""
     try:
         text = markdown_path.read_text(encoding="utf-8")
     except OSError:
         return ""
     kept = []
-    for begin, end_mark in ((BUSY_BEGIN, BUSY_END), (PROFILE_BEGIN, PROFILE_END)):
+    for begin, end_mark in KEPT_SECTIONS:
         start, end = text.find(begin), text.find(end_mark)
         if 0 <= start < end:
             kept.append(text[start : end + len(end_mark)] + "\n")
     return "".join(kept)
+
+
+def write_section(result: dict, out: Path, markdown_path: Path, section: str, begin: str, end: str) -> None:
+    """``result`` as JSON at ``out`` and ``section`` (its markdown, from ``begin`` to ``end``) in ``markdown_path``:
+    the section there replaced, or appended; each file written atomically."""
+    atomic_write_text(out, json.dumps(result, indent=1, sort_keys=True) + "\n")
+    try:
+        text = markdown_path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        text = ""
+    start, stop = text.find(begin), text.find(end)
+    if 0 <= start < stop:
+        text = text[:start] + section + text[stop + len(end) + 1 :]
+    else:
+        text = text + ("\n" if text and not text.endswith("\n\n") else "") + section
+    atomic_write_text(markdown_path, text)
 
 
 def write_report(report: BenchReport, out: Path, markdown_path: Path) -> None:

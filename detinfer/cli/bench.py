@@ -166,3 +166,26 @@ def bench_busy(
     except DetinferError as e:
         fail(e)
     out.print(f"wrote {escape(str(out_path))} and the busy section of {escape(str(markdown))}")
+
+
+@bench_app.command("speculate")
+def bench_speculate(
+    models: Annotated[Optional[list[str]], typer.Option("--model", "-m", help="Registry name or .gguf path (repeatable; "
+                                                        "default: SmolLM2 and Gemma 3).")] = None,
+    threads: Annotated[str, typer.Option("--threads", help="Thread counts, comma-separated.")] = "1,2",
+    runs: Annotated[int, typer.Option("--runs", help="Runs per figure (the median, min and max are reported).")] = 3,
+    out_path: Annotated[Path, typer.Option("--out", "-o", help="Results (JSON).")] = Path("bench/speculate.json"),
+    markdown: Annotated[Path, typer.Option("--markdown", help="Markdown file whose speculation section is replaced.")] = Path("docs/benchmarks.md"),
+) -> None:
+    """Decode with and without --speculate ngram on a task that quotes its context and on free text (same bytes,
+    checked). Use an otherwise idle machine."""
+    from ..bench.speculate import run_speculate, write_speculate
+    from ..bench.suite import DEFAULT_MODELS, parse_counts
+
+    try:
+        result = run_speculate(models or DEFAULT_MODELS, threads=parse_counts(threads, "--threads"), runs=runs,
+                               progress=lambda msg: err.print(f"[dim]{escape(msg)}[/]"))  # fmt: skip
+        write_speculate(result, out_path, markdown)
+    except DetinferError as e:
+        fail(e)
+    out.print(f"wrote {escape(str(out_path))} and the speculation section of {escape(str(markdown))}")

@@ -21,7 +21,7 @@ from __future__ import annotations
 from ..errors import InputError
 
 SPECULATORS = ("ngram",)  # the drafters --speculate names
-NGRAM_MAX = 3  # the longest context suffix looked up
+NGRAM_MAX = 12  # the longest context suffix looked up: long enough to tell repeated structure apart (JSON items)
 K_START, K_MAX = 4, 12  # draft tokens per forward: first try, most (a forward of 13 positions costs ~1.5 decode steps)
 PAUSE_MAX = 16  # decode steps without drafting after repeated misses, at most
 

@@ -1,0 +1,125 @@
+"""``detinfer bench speculate``: decode tok/s with and without ``--speculate ngram``, on a task that repeats its
+context (a tool result and a list to be quoted back in full) and on free text.
+
+In process, one engine per model, at each thread count (held with compute.threads.fixed_threads); the plain and
+the speculative run alternate, ``runs`` times each, after one warm-up of both. Every speculative run's tokens,
+logits digests and KV digest are compared with the plain run's: a difference is an error, never a figure. Figures
+are the median (min, max) of decode tok/s, with the share of drafted tokens taken. The floors (issue 35): at
+least 1.8x on the repeating task, at least 0.95x on free text. Results go to ``bench/speculate.json`` and a section
+of docs/benchmarks.md (kept when the main suite rewrites the file).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from ..compute.engine import Engine
+from ..compute.generate import GenerationResult, generate
+from ..compute.sampling import Sampling
+from ..compute.threads import fixed_threads
+from ..errors import DetinferError, InputError
+from ..model.chat import ChatTemplate
+from ..records.run import build_prompt
+from .report import SPECULATE_BEGIN, SPECULATE_END, display_name, stats, write_section
+from .suite import _machine
+
+_TOOL_RESULT = {"location": "Lyon, France", "forecast": [
+    {"day": "Monday", "high_c": 14, "low_c": 6, "conditions": "light rain"},
+    {"day": "Tuesday", "high_c": 16, "low_c": 7, "conditions": "cloudy"},
+    {"day": "Wednesday", "high_c": 19, "low_c": 9, "conditions": "sunny"}], "units": "metric"}
+TASKS = {
+    "repeat": [
+        {"role": "user", "content": "Call the weather tool for Lyon."},
+        {"role": "assistant", "content": "The tool returned:\n" + json.dumps(_TOOL_RESULT, indent=2)},
+        {"role": "user", "content": "Repeat the tool result above back to me exactly, in full, as JSON."},
+    ],
+    "free": [{"role": "user", "content": "Write a short story about a lighthouse keeper who finds a message in a bottle."}],
+}
+MAX_TOKENS = 160
+FLOORS = {"repeat": 1.8, "free": 0.95}
+ARMS = ("plain", "ngram")
+
+
+def _generate(engine: Engine, prompt: list[int], speculate: str | None) -> GenerationResult:
+    res = GenerationResult()
+    for _ in generate(engine, prompt, Sampling(max_tokens=MAX_TOKENS), result=res, speculate=speculate):
+        pass
+    return res
+
+
+def _bytes(res: GenerationResult) -> tuple:
+    return res.tokens, res.digests, res.kv_sha256
+
+
+def run_speculate(models: Sequence[str], *, threads: Sequence[int], runs: int, progress: Callable[[str], None]) -> dict:
+    """Every task of :data:`TASKS`, greedy, for every model and thread count (see the module docstring).
+    Raises InputError for ``runs`` < 1, DetinferError if speculation changed a byte."""
+    if runs < 1:
+        raise InputError(f"--runs must be at least 1, got {runs}")
+    out: dict = {"machine": _machine(), "runs": runs, "max_tokens": MAX_TOKENS, "models": {}}
+    for model in models:
+        engine = Engine.load(model, n_ctx=1024)
+        template = None if engine.chat_template is not None else ChatTemplate.builtin("gemma")  # Gemma 3 270M is a base model
+        per_model: dict = {}
+        for n in threads:
+            with fixed_threads(n):
+                row: dict = {}
+                for task, messages in TASKS.items():
+                    progress(f"{display_name(model)}: {n} thread(s), {task}")
+                    prompt = build_prompt(engine, messages=messages, template=template).token_ids
+                    results = {arm: [_generate(engine, prompt, None if arm == "plain" else arm)] for arm in ARMS}  # warm-up
+                    for _ in range(runs):
+                        for arm in ARMS:
+                            results[arm].append(_generate(engine, prompt, None if arm == "plain" else arm))
+                    want = _bytes(results["plain"][0])
+                    if any(_bytes(r) != want for rs in results.values() for r in rs):
+                        raise DetinferError(f"{display_name(model)} {task}: speculative decoding changed the output; report this")
+                    last = results["ngram"][-1]
+                    row[task] = {
+                        "tokens": len(last.tokens),
+                        "drafted": last.draft_tokens,
+                        "accepted": last.accepted_tokens,
+                        **{arm: stats([r.timings.decode_tokens / r.timings.decode_s for r in rs[1:]]).model_dump() for arm, rs in results.items()},
+                    }
+                per_model[str(n)] = row
+        out["models"][model] = per_model
+    return out
+
+
+def floors(result: dict) -> list[tuple[str, str, bool]]:
+    """(floor, measured, holds) for every model, thread count and task."""
+    rows = []
+    for model, per_model in result["models"].items():
+        for n, row in per_model.items():
+            for task, fig in row.items():
+                ratio = fig["ngram"]["median"] / fig["plain"]["median"]
+                rows.append((f"{display_name(model)} {n}t {task}: ngram >= {FLOORS[task]}x plain", f"{ratio:.2f}x", ratio >= FLOORS[task]))
+    return rows
+
+
+def markdown(result: dict) -> str:
+    """The section of docs/benchmarks.md, between SPECULATE_BEGIN and SPECULATE_END."""
+    m = result["machine"]
+    lines = [SPECULATE_BEGIN, "## Speculative decoding (`detinfer bench speculate`)", "",
+             f"{m['cpu']} ({m['cores']} cores), greedy, up to {result['max_tokens']} tokens, decode tok/s median of "
+             f"{result['runs']} runs (min–max). *repeat*: the model quotes a tool result from its context back in full; "
+             "*free*: a short story. Every speculative run gave the plain run's tokens, logits digests and KV digest "
+             "(checked by the bench). Taken: drafted tokens that were sampled as drafted.", "",
+             "| model | threads | task | tokens | plain | ngram | speed-up | taken |", "|---|---:|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for model, per_model in result["models"].items():
+        for n, row in per_model.items():
+            for task, f in row.items():
+                p, s = f["plain"], f["ngram"]
+                taken = f"{f['accepted']}/{f['drafted']}" if f["drafted"] else "0/0"
+                lines.append(f"| {display_name(model)} | {n} | {task} | {f['tokens']} | {p['median']:g} ({p['min']:g}–{p['max']:g}) | "
+                             f"{s['median']:g} ({s['min']:g}–{s['max']:g}) | {s['median'] / p['median']:.2f}x | {taken} |")  # fmt: skip
+    lines += ["", "| floor | measured | holds |", "|---|---:|---|"]
+    lines += [f"| {f} | {v} | {'yes' if ok else '**no**'} |" for f, v, ok in floors(result)]
+    return "\n".join(lines + ["", SPECULATE_END]) + "\n"
+
+
+def write_speculate(result: dict, out: Path, markdown_path: Path) -> None:
+    """``result`` as JSON at ``out`` and as the speculation section of ``markdown_path`` (replaced, or appended)."""
+    write_section(result, out, markdown_path, markdown(result), SPECULATE_BEGIN, SPECULATE_END)
