@@ -445,7 +445,8 @@ def test_selftest_matrix_in_process(engine: Engine, model_path: Path):
     assert len(engine.tokenizer.encode(STORY)) == 40
     rows = matrix(engine, str(model_path), text=STORY, processes=False)
     results = {r.invariance: r for r in rows}
-    assert len(results) == len(rows) == 9
+    assert len(results) == len(rows) == 10
+    assert results.pop("batched forward (4 sequences: decode rows, a prefill chunk, a draft window) vs each alone").result == "identical"
     control = results.pop("negative control: reassociated RMSNorm must differ")
     assert control.result == "detected" and control.max_abs_delta is not None and control.max_abs_delta > 0, control
     assert results.pop("KV saved to a .detkv file and restored vs never saved").result == "identical"

@@ -184,12 +184,59 @@ class Engine:
         ``chunk_size`` (>= 1) only splits the work; it never changes a bit of the result.
         Raises InputError for an empty or out-of-vocabulary token list, or one that does not fit in the cache.
         """
+        ids = self._checked_ids(tokens, cache)
+        n = ids.shape[0]
+        check_chunk_size(chunk_size)
+        logits = np.empty((n if all_logits else 1, self.config.n_vocab), np.float32)
+        for start in range(0, n, chunk_size):
+            chunk = ids[start : start + chunk_size]
+            T = chunk.shape[0]
+            last = start + T == n
+            adapt_threads()
+            if all_logits:
+                self._forward_chunk(chunk, [(cache, T)], logits[start : start + T], slice(0, T))
+            else:
+                self._forward_chunk(chunk, [(cache, T)], logits if last else None, slice(T - 1, T))
+        return logits if all_logits else logits[0]
+
+    def forward_batch(self, batch: Sequence[tuple[Sequence[int], KVCache, bool]]) -> list[np.ndarray]:
+        """One forward step over several sequences: for each ``(tokens, cache, all_logits)``, run ``tokens`` at
+        positions cache.n_tokens.. of its own cache and append their K/V there, exactly as
+        ``forward(tokens, cache, all_logits=all_logits)`` alone would, byte for byte, whatever runs beside it
+        (decode rows, prefill chunks and draft windows mixed, in any order). Every row goes through the same
+        per-row kernels and matmuls (which parallelise over independent outputs only); attention runs per sequence
+        over its own cache. No chunking: the whole batch is one step.
+
+        Returns, per entry, float32 logits [len(tokens), n_vocab] if its ``all_logits``, else [n_vocab].
+        Raises InputError for an empty batch, a cache given twice, or an entry ``forward`` would refuse.
+        """
+        if not batch:
+            raise InputError("an empty batch has nothing to run")
+        if len({id(cache) for _, cache, _ in batch}) != len(batch):
+            raise InputError("a batch gives one KV cache twice; each sequence needs its own")
+        ids = [self._checked_ids(tokens, cache) for tokens, cache, _ in batch]
+        rows, start = [], 0
+        for seq, (_, _, all_logits) in zip(ids, batch):
+            rows.extend(range(start, start + len(seq)) if all_logits else [start + len(seq) - 1])
+            start += len(seq)
+        logits = np.empty((len(rows), self.config.n_vocab), np.float32)
+        adapt_threads()
+        self._forward_chunk(np.concatenate(ids), [(cache, len(seq)) for seq, (_, cache, _) in zip(ids, batch)], logits,
+                            np.asarray(rows, dtype=np.int64))  # fmt: skip
+        out, at = [], 0
+        for seq, (_, _, all_logits) in zip(ids, batch):
+            k = len(seq) if all_logits else 1
+            out.append(logits[at : at + k] if all_logits else logits[at])
+            at += k
+        return out
+
+    def _checked_ids(self, tokens: Sequence[int], cache: KVCache) -> np.ndarray:
+        """``tokens`` as int64 ids; InputError if empty, outside the vocabulary or beyond the cache's context."""
         cfg = self.config
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
         n = ids.shape[0]
         if n == 0:
             raise InputError("no tokens to run")
-        check_chunk_size(chunk_size)
         if ids.min() < 0 or ids.max() >= cfg.n_vocab:
             bad = int(ids[(ids < 0) | (ids >= cfg.n_vocab)][0])
             raise InputError(f"token id {bad} is outside the vocabulary (0..{cfg.n_vocab - 1})")
@@ -197,34 +244,32 @@ class Engine:
             raise InputError(
                 f"{cache.n_tokens} cached + {n} new tokens exceed the context of {cache.n_ctx}; raise --ctx or shorten the prompt"
             )
-        logits = np.empty((n if all_logits else 1, cfg.n_vocab), np.float32)
-        for start in range(0, n, chunk_size):
-            chunk = ids[start : start + chunk_size]
-            last = start + chunk.shape[0] == n
-            want = all_logits or last
-            out = logits[start : start + chunk.shape[0]] if all_logits else logits
-            adapt_threads()
-            self._forward_chunk(chunk, cache, out if want else None, all_rows=all_logits)
-        return logits if all_logits else logits[0]
+        return ids
 
-    def _forward_chunk(self, ids: np.ndarray, cache: KVCache, logits: np.ndarray | None, all_rows: bool) -> None:
+    def _forward_chunk(self, ids: np.ndarray, segments: list[tuple[KVCache, int]], logits: np.ndarray | None,
+                       rows: slice | np.ndarray) -> None:  # fmt: skip
         """One chunk through every layer: the llama block (Touvron et al. 2023, as llama.cpp runs GGUF llama files)
         with the optional steps of the architecture (detinfer/arch.py): q/k/v bias, per-head q/k norm, RoPE style
-        and base per layer, sliding-window layers, post-attention / post-FFN norms, FFN activation."""
+        and base per layer, sliding-window layers, post-attention / post-FFN norms, FFN activation.
+
+        ``ids`` holds the tokens of every segment in order; segment (cache, n) takes the next n rows, at positions
+        cache.n_tokens.. of its cache. ``logits`` (if given) receives the logits of the chunk's ``rows``.
+        """
         cfg, w = self.config, self.weights
         T = ids.shape[0]
         s = self._scratch_for(T)
-        pos0 = cache.n_tokens
-        cache.will_write(pos0 + T)
-        positions = np.arange(pos0, pos0 + T, dtype=np.int64)
+        spans, a = [], 0  # (cache, first row, row end, first position) per segment
+        for cache, n in segments:
+            spans.append((cache, a, a + n, cache.n_tokens))
+            cache.will_write(cache.n_tokens + n)
+            a += n
+        positions = np.concatenate([np.arange(p0, p0 + (b - a), dtype=np.int64) for _, a, b, p0 in spans])
         qw, kvw = cfg.n_head * cfg.head_dim, cfg.kv_width
         eps = np.float32(cfg.rms_norm_eps)
         chunk = T > 1  # per-token kernels: tokens in parallel for a chunk, plain calls for one token
-        heads_per_job = cfg.n_head // cfg.n_head_kv if T * cfg.n_head_kv >= GROUP_JOBS else 1
         norm = kernels.rmsnorm_tokens if chunk else kernels.rmsnorm
         norm_heads = kernels.rmsnorm_heads_tokens if chunk else kernels.rmsnorm_heads
         rope = self._rope_tokens if chunk else self._rope
-        kv_write = kernels.kv_write_tokens if chunk else kernels.kv_write
         ffn_act = self._ffn_act_tokens if chunk else self._ffn_act
         for t in range(T):
             self._embd_row(w.token_embd[ids[t]], s.x[t])
@@ -242,9 +287,13 @@ class Engine:
             cos, sin = self._layer_rope[li]
             rope(q, positions, cfg.n_head, cfg.head_dim, cos, sin)
             rope(k, positions, cfg.n_head_kv, cfg.head_dim, cos, sin)
-            kv_write(cache.k[li], cache.v[li], s.qkv, qw, qw + kvw, pos0)
-            kernels.attention(s.qkv, cache.k[li], cache.v[li], pos0, cfg.n_head, self.attn_scale, cache.lut, s.attn,
-                              self._layer_window[li], heads_per_job)  # fmt: skip
+            for cache, a, b, p0 in spans:  # each sequence's attention over its own cache, as if it ran alone
+                n = b - a
+                kv_write = kernels.kv_write_tokens if n > 1 else kernels.kv_write
+                kv_write(cache.k[li], cache.v[li], s.qkv[a:b], qw, qw + kvw, p0)
+                heads_per_job = cfg.n_head // cfg.n_head_kv if n * cfg.n_head_kv >= GROUP_JOBS else 1
+                kernels.attention(s.qkv[a:b], cache.k[li], cache.v[li], p0, cfg.n_head, self.attn_scale, cache.lut,
+                                  s.attn[a:b], self._layer_window[li], heads_per_job)  # fmt: skip
             project(layer.attn_output, s.attn, self._codes(s, s.attn), s.proj)
             if layer.post_attention_norm is not None:
                 norm(s.proj, layer.post_attention_norm, eps, s.proj)
@@ -256,10 +305,15 @@ class Engine:
             if layer.post_ffw_norm is not None:
                 norm(s.proj, layer.post_ffw_norm, eps, s.proj)
             kernels.add_inplace(s.x, s.proj)
-        cache.tokens.extend(int(i) for i in ids)
+        for cache, a, b, _ in spans:
+            cache.tokens.extend(int(i) for i in ids[a:b])
         if logits is None:
             return
-        rows = slice(0, T) if all_rows else slice(T - 1, T)
+        if isinstance(rows, np.ndarray):  # rows of several segments: gathered into the first scratch rows
+            k = rows.shape[0]
+            x, rows = s.x[rows], slice(0, k)
+        else:
+            x = s.x[rows]
         xn = s.xn[rows]
-        kernels.rmsnorm(s.x[rows], w.output_norm, eps, xn)
+        kernels.rmsnorm(x, w.output_norm, eps, xn)
         matmul(w.output, xn, self._codes(s, xn, rows), logits)

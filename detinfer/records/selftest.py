@@ -129,6 +129,30 @@ def reassociated_rmsnorm():
         kernels.rmsnorm = original
 
 
+def _batch_row(engine: Engine, tokens: list[int]) -> Row:
+    """One batched forward step of four sequences (decode rows, a prefill chunk, a draft window; each its own cache
+    and positions) against each run alone: logits and KV bytes."""
+    cut = lambda a, b: tokens[min(a, len(tokens) - 1) : min(b, len(tokens))]  # noqa: E731
+    seqs = [(cut(0, 10), cut(10, 11), False), ([], cut(0, 7), False), (cut(0, 20), cut(20, 25), True), (cut(0, 3), cut(3, 4), True)]
+
+    def holding(prefix: list[int]):
+        cache = engine.new_cache()
+        if prefix:
+            engine.forward(prefix, cache)
+        return cache
+
+    alone = []
+    for prefix, new, all_logits in seqs:
+        cache = holding(prefix)
+        alone.append((engine.forward(new, cache, all_logits=all_logits).tobytes(), cache.digest()))
+    caches = [holding(prefix) for prefix, _, _ in seqs]
+    batched = engine.forward_batch([(new, cache, all_logits) for (_, new, all_logits), cache in zip(seqs, caches)])
+    got = [(logits.tobytes(), cache.digest()) for logits, cache in zip(batched, caches)]
+    differing = [i for i, (a, b) in enumerate(zip(got, alone)) if a != b]
+    name = "batched forward (4 sequences: decode rows, a prefill chunk, a draft window) vs each alone"
+    return Row(name, "identical") if not differing else Row(name, "differs", None, None, f"sequences {differing} differ")
+
+
 def matrix(engine: Engine, model: str | None, *, text: str = DEFAULT_TEXT, processes: bool = True,
            on_row: Callable[[Row], None] | None = None) -> list[Row]:
     """Run every invariance of the contract on ``text``; returns one Row each (in process and, with
@@ -171,6 +195,7 @@ def matrix(engine: Engine, model: str | None, *, text: str = DEFAULT_TEXT, proce
         restored.restore(load_kv(path, model_sha256=engine.model_file.sha256))
     rest = engine.forward(tokens[split:], restored, all_logits=True)
     add(_compare_logits("KV saved to a .detkv file and restored vs never saved", np.concatenate([first, rest]), base, restored.digest(), base_kv))
+    add(_batch_row(engine, tokens))
     repeated = engine.tokenizer.encode(text + "\n\n" + text)  # a model tends to go on quoting: drafts are taken
     drafts = GenerationResult()
     spec = fingerprint(engine, repeated, chunk_size=64, gen_tokens=48, speculate="ngram", result=drafts)
