@@ -668,3 +668,87 @@ def test_previous_response_id_continues_a_response_recorded_before_a_restart(eng
         running.stop()
     assert cold.status_code == 400 and cold.json()["error"]["param"] == "previous_response_id"
     assert "--record" in cold.json()["error"]["message"]
+
+
+BATCH_REQUESTS = [  # (path, body): lengths, sampling and features differ, so batches change shape mid-run
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 16, "temperature": 0}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 6, "temperature": 0.8, "seed": 7}),
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Count to five."}],
+                              "max_tokens": 24, "temperature": 0.9, "top_p": 0.9, "seed": 3}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Name a fruit."}], "max_tokens": 8, "temperature": 0,
+                              "logprobs": True, "top_logprobs": 3}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Write a haiku about rain."}], "max_tokens": 30,
+                              "temperature": 0.7, "seed": 1, "stream": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Give me a number as JSON."}], "max_tokens": 20,
+                              "temperature": 0.5, "seed": 2, "response_format": {"type": "json_schema", "json_schema": {
+                                  "name": "n", "schema": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}}),
+    ("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}),
+    ("/v1/completions", {"prompt": "List numbers: 1, 2, 3,", "max_tokens": 20, "temperature": 0.6, "seed": 5, "stop": [" 7"]}),
+]  # fmt: skip
+
+
+def _response_bytes(url: str, path: str, body: dict) -> tuple:
+    """A response with what is fresh per request dropped (id, created, and usage's cached_tokens, which reports the
+    prefix cache's state): the status, the detinfer headers and every other byte of the body or of each SSE event."""
+
+    def strip(obj: dict) -> str:
+        obj = {k: v for k, v in obj.items() if k not in ("id", "created")}
+        if obj.get("usage"):
+            obj["usage"] = {k: v for k, v in obj["usage"].items() if k != "prompt_tokens_details"}
+        return json.dumps(obj, sort_keys=True)
+
+    r = httpx.post(url + path, json=dict(body, model=MODEL), timeout=120)
+    headers = tuple(sorted((k, v) for k, v in r.headers.items() if k.startswith("x-detinfer")))
+    if body.get("stream"):
+        events = [line.removeprefix("data: ") for line in r.text.splitlines() if line.startswith("data: ")]
+        content = [e if e == "[DONE]" else strip(json.loads(e)) for e in events]
+    else:
+        content = [strip(r.json())]
+    return r.status_code, headers, content
+
+
+def test_a_response_is_the_same_bytes_alone_and_beside_others(engine):
+    """Continuous batching never changes a byte: each of 8 requests (greedy, seeded sampling, top-p, logprobs, a
+    stream, a JSON-schema constraint, raw completions, a stop string) sent alone, then beside 1, 3 and 7 others
+    arriving together in shuffled order, gives the same status, detinfer headers and body. The worker really
+    stepped 4 sequences together. Control: logits of every sequence but a step's first perturbed when the step has
+    several (what a batch-dependent kernel would do) changes responses."""
+    running = _Running(create_app(engine, ServerSettings(max_queue=16, threads=1)))
+    sizes: list[int] = []
+    plain = engine.forward_batch
+
+    def spy(batch, perturb=False):
+        sizes.append(len(batch))
+        out = plain(batch)
+        if perturb and len(batch) > 1:
+            rng = np.random.default_rng(len(sizes))
+            out = [o if i == 0 else o + rng.normal(0, 3, o.shape).astype(o.dtype) for i, o in enumerate(out)]
+        return out
+
+    def together(indices: list[int]) -> dict[int, tuple]:
+        barrier = threading.Barrier(len(indices))
+
+        def one(i: int):
+            barrier.wait()
+            return i, _response_bytes(running.url, *BATCH_REQUESTS[i])
+
+        with ThreadPoolExecutor(len(indices)) as pool:
+            return dict(pool.map(one, indices))
+
+    try:
+        alone = {i: _response_bytes(running.url, *req) for i, req in enumerate(BATCH_REQUESTS)}
+        assert all(status == 200 for status, _, _ in alone.values()), alone
+        rng = np.random.default_rng(0)
+        engine.forward_batch = spy
+        for n in (2, 4, 8):
+            indices = [int(i) for i in rng.permutation(len(BATCH_REQUESTS))[:n]]
+            got = together(indices)
+            for i in indices:
+                assert got[i] == alone[i], (n, i, BATCH_REQUESTS[i])
+        assert max(sizes) == running.server.config.app.state.server.worker.batch == 4, sizes
+        engine.forward_batch = lambda batch: spy(batch, perturb=True)
+        got = together(list(range(len(BATCH_REQUESTS))))
+        assert any(got[i] != alone[i] for i in got), "a batch-dependent perturbation went unnoticed"
+    finally:
+        del engine.forward_batch
+        running.stop()

@@ -3,7 +3,8 @@
 --send-timeout although the kernel accepted its bytes, every endpoint honours --read-timeout, and SIGTERM answers
 queued requests 503 at once and running ones with an error after --drain, with no traceback in the log.
 
-One server for the module (its last test stops it); the streaming-shutdown test starts its own."""
+One server for the module (its last test stops it), stepping one request at a time (--batch 1) so that a second
+request waits in the queue; the streaming-shutdown test starts its own with --batch 2, two running and one queued."""
 
 from __future__ import annotations
 
@@ -30,14 +31,14 @@ LONG = {"model": MODEL, "messages": [{"role": "user", "content": "Count from one
         "ignore_eos": True, "temperature": 0}  # fmt: skip
 
 
-def _start(tmp_path: Path, name: str) -> tuple[subprocess.Popen, str, Path]:
+def _start(tmp_path: Path, name: str, batch: int) -> tuple[subprocess.Popen, str, Path]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = tmp_path / f"{name}.stderr"
     cmd = [sys.executable, "-m", "detinfer.cli", "serve", "--port", str(port), "--threads", "1", "--ctx", "2048",
            "--chat-template", "chatml-tools", "--drain", str(DRAIN_S), "--send-timeout", str(SEND_TIMEOUT_S),
-           "--read-timeout", str(READ_TIMEOUT_S)]  # fmt: skip
+           "--read-timeout", str(READ_TIMEOUT_S), "--batch", str(batch)]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("w"))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -54,7 +55,7 @@ def _start(tmp_path: Path, name: str) -> tuple[subprocess.Popen, str, Path]:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    proc, url, log = _start(tmp_path_factory.mktemp("served"), "served")
+    proc, url, log = _start(tmp_path_factory.mktemp("served"), "served", batch=1)
     yield proc, url, log
     if proc.poll() is None:
         proc.kill()
@@ -293,8 +294,11 @@ def test_sigterm_running_request_gets_an_error_after_the_drain_queued_ones_503(s
     _check_log(log)
 
 
-def test_sigterm_ends_a_running_stream_with_an_error_event_and_done(tmp_path):
-    proc, url, log = _start(tmp_path, "stream")
+def test_sigterm_ends_running_requests_with_errors_and_answers_the_queued_one_503(tmp_path):
+    """With --batch 2, a stream and a plain request running together and a third queued behind them: SIGTERM ends
+    the stream with an error event and [DONE], the plain one with a 503 naming the drain, and the queued one gets
+    its 503 with Retry-After; no traceback in the log."""
+    proc, url, log = _start(tmp_path, "stream", batch=2)
     try:
         events: list[str] = []
 
@@ -308,16 +312,23 @@ def test_sigterm_ends_a_running_stream_with_an_error_event_and_done(tmp_path):
         while len(events) < 3:
             time.sleep(0.05)
         out: dict = {}
-        queued = _post_async(url, dict(LONG, max_tokens=4), out, "queued")
+        running = _post_async(url, LONG, out, "running")
         _wait_admitted(url, 2)
+        time.sleep(1.0)  # the worker has taken it beside the stream
+        queued = _post_async(url, dict(LONG, max_tokens=4), out, "queued")
+        _wait_admitted(url, 3)
         took = _stop(proc)
-        streamer.join(timeout=30)
-        queued.join(timeout=30)
+        for t in (streamer, running, queued):
+            t.join(timeout=30)
         assert took < DRAIN_S + 1.0, took
         assert events[-1] == "data: [DONE]", events[-3:]
         error = json.loads(events[-2].removeprefix("data: "))["error"]
         assert error["code"] == "server_shutting_down" and "drain" in error["message"], error
-        assert out["queued"][0] == 503 and out["queued"][1], out["queued"]
+        status, _, body, _ = out["running"]
+        assert status == 503 and "drain" in body["error"]["message"], out["running"]
+        status, retry, body, _ = out["queued"]
+        assert status == 503 and retry and body["error"]["code"] == "server_shutting_down", out["queued"]
+        assert "drain" not in body["error"]["message"], out["queued"]  # it had not started
         _check_log(log)
     finally:
         if proc.poll() is None:

@@ -13,6 +13,7 @@ from ..errors import DetinferError
 from ..serve import listen
 from ..serve.app import create_app
 from ..serve.serving import ServerSettings
+from ..serve.worker import DEFAULT_BATCH
 from .common import (
     DEFAULT_CACHE_BYTES,
     CacheBytesOpt,
@@ -41,6 +42,7 @@ def serve(
     kv_type: KvOpt = "f32",
     threads: ThreadsOpt = None,
     speculate: SpeculateOpt = None,
+    batch: Annotated[int, typer.Option("--batch", min=1, help="Requests the decode worker steps together (continuous batching). Never changes a result.")] = DEFAULT_BATCH,
     cache_bytes: CacheBytesOpt = DEFAULT_CACHE_BYTES,
     record_dir: Annotated[Optional[Path], typer.Option("--record", help="Record every request into session files in this directory.")] = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="DETINFER_API_KEY", show_envvar=True,
@@ -63,7 +65,8 @@ def serve(
         settings = ServerSettings(max_queue=max_queue, max_inflight=max_inflight, threads=threads, cache_bytes=cache_bytes,
                                   record_dir=record_dir, api_key=api_key or None, send_timeout=send_timeout,
                                   chat_template=llm.chat_template, drain_s=drain, body_timeout=read_timeout,
-                                  aliases=tuple(alias or ()), kv_dir=kv_dir, kv_dir_bytes=kv_dir_bytes, speculate=speculate)
+                                  aliases=tuple(alias or ()), kv_dir=kv_dir, kv_dir_bytes=kv_dir_bytes, speculate=speculate,
+                                  batch=batch)
         app_ = create_app(engine, settings)
     except DetinferError as e:
         fail(e)

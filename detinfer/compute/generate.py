@@ -143,135 +143,200 @@ def generate(
     prefix_cache: PrefixCache | None = None,
     speculate: str | None = None,
 ) -> Iterator[Step]:
-    """Prefill ``prompt_tokens`` and generate up to ``sampling.max_tokens`` tokens, yielding one Step per token.
+    """Prefill ``prompt_tokens`` and generate up to ``sampling.max_tokens`` tokens, yielding one Step per token:
+    a :class:`Decoding` whose forwards run one at a time (see it for every option and error; ``chunk_size`` splits
+    the prefill and never changes a result). A consumer that stops early leaves the cache as it was at that step."""
+    d = Decoding(engine, prompt_tokens, sampling, cache=cache, result=result, logprobs_k=logprobs_k, constraint=constraint,
+                 prefix_cache=prefix_cache, speculate=speculate)  # fmt: skip
+    try:
+        while not d.done:
+            if (need := d.need()) is not None:
+                tokens, all_logits = need
+                d.put(engine.forward(tokens, d.cache, all_logits=all_logits, chunk_size=chunk_size))
+            else:
+                yield d.step()
+    finally:
+        d.close()
 
-    ``cache`` (optional) may already hold a prefix of the prompt: only the rest is computed (see
-    :meth:`KVCache.keep_prefix`), with the same bytes as a cold run. With ``prefix_cache``, a longer prefix known
-    there (another conversation's, an earlier branch's) is restored first, and the finished generation's cache is
-    stored there (not that of a generation stopped early by its consumer).
+
+class Decoding:
+    """One generation as a state machine whose forwards its caller runs: :meth:`need` names the tokens the next
+    forward must run on :attr:`cache` (None: a step can be sampled now), :meth:`put` takes that forward's logits,
+    :meth:`step` samples the next Step. :func:`generate` runs the forwards one at a time; the server's decode
+    worker runs those of several decodings in one ``Engine.forward_batch`` step. Either way the Steps, digests and
+    KV are the same bytes.
+
+    Prefills ``prompt_tokens`` (``prefill_chunk`` tokens per forward at most; None: all at once) and generates up
+    to ``sampling.max_tokens`` tokens. ``cache`` (optional) may already hold a prefix of the prompt: only the rest
+    is computed (see :meth:`KVCache.keep_prefix`), with the same bytes as a cold run. With ``prefix_cache``, a
+    longer prefix known there (another conversation's, an earlier branch's) is restored first, and the finished
+    generation's cache is stored there (not that of a generation closed early).
 
     Stops at an end-of-generation token (not emitted as text; unless ``sampling.ignore_eos``), a stop string (its
-    text is never emitted; stop reason "stop", or "stop_cut" with a constraint: see STOP_REASONS), ``sampling.max_tokens``, or the end of the context (stop reason "length": a token at position p
-    needs p < n_ctx). ``result`` (optional) is filled in as the stream advances, with the final KV digest at the
-    end. ``logprobs_k`` (optional, 0..n_vocab; default off, costing nothing) adds to each sampled Step, and to
+    text is never emitted; stop reason "stop", or "stop_cut" with a constraint: see STOP_REASONS),
+    ``sampling.max_tokens``, or the end of the context (stop reason "length": a token at position p needs
+    p < n_ctx). ``result`` (optional) is filled in as the decoding advances, with the final KV digest at the end.
+    ``logprobs_k`` (optional, 0..n_vocab; default off, costing nothing) adds to each sampled Step, and to
     ``result.logprobs``, the logprob of the sampled token and the ``logprobs_k`` most likely tokens under the raw
     logits (see Step). ``constraint`` (optional): before each sampled token, the tokens its grammar does not allow
-    next get -inf logits (constrain.Guide); end-of-generation tokens are allowed only where the grammar accepts. Digests,
-    top logits and logprobs stay those of the raw logits; each step's mask digest goes to ``Step.mask_digest`` and
-    ``result.mask_digests``. ``speculate="ngram"`` drafts tokens by prompt lookup and checks them in one forward
-    (compute.speculate): the same Steps, digests and KV, in fewer forwards where the text repeats its context (counts
-    in ``result.draft_tokens`` / ``accepted_tokens``); ignored for a cache that cannot be truncated.
-    Raises InputError for an empty or too-long prompt or an unknown ``speculate``; ConstraintError
-    for a constraint that does not compile, with ``ignore_eos`` (the grammar ends with an end token), or that can
-    no longer be completed.
+    next get -inf logits (constrain.Guide); end-of-generation tokens are allowed only where the grammar accepts.
+    Digests, top logits and logprobs stay those of the raw logits; each step's mask digest goes to
+    ``Step.mask_digest`` and ``result.mask_digests``. ``speculate="ngram"`` drafts tokens by prompt lookup and checks
+    them in one forward (compute.speculate): the same Steps, digests and KV, in fewer forwards where the text repeats
+    its context (counts in ``result.draft_tokens`` / ``accepted_tokens``); ignored for a cache that cannot be
+    truncated. Raises InputError for an empty or too-long prompt or an unknown ``speculate``; ConstraintError for a
+    constraint that does not compile, with ``ignore_eos`` (the grammar ends with an end token), or that can no
+    longer be completed.
     """
-    check_prompt(engine, prompt_tokens)
-    if not isinstance(sampling, Sampling):
-        raise InputError(f"sampling must be a Sampling, got {type(sampling).__name__}")
-    max_tokens, ignore_eos = sampling.max_tokens, sampling.ignore_eos
-    if logprobs_k is not None and (isinstance(logprobs_k, bool) or not isinstance(logprobs_k, int) or logprobs_k < 0):
-        raise InputError(f"logprobs_k must be an int >= 0 or None, got {logprobs_k!r}")
-    check_ignore_eos(constraint, ignore_eos)
-    check_speculate(speculate)
-    guide = Guide(constraint, engine.tokenizer) if constraint is not None else None
-    res = result if result is not None else GenerationResult()
-    cache = cache if cache is not None else engine.new_cache()
-    if prefix_cache is not None:
-        prefix_cache.restore_longest(cache, prompt_tokens)
-    reused = cache.keep_prefix(prompt_tokens)
-    history = list(prompt_tokens)
-    decoder = engine.tokenizer.stream_decoder()
-    matcher = _StopMatcher(sampling.stop)
-    eog = frozenset() if ignore_eos else engine.tokenizer.eog_ids
-    digest = DIGEST_SEED
-    t0 = time.perf_counter()
-    logits = engine.forward(prompt_tokens[reused:], cache, chunk_size=chunk_size)
-    res.timings.prefill_s = time.perf_counter() - t0
-    res.timings.prompt_tokens = len(prompt_tokens) - reused
-    res.reused_tokens = reused
-    t0 = time.perf_counter()
-    index = 0
-    drafter = NgramDrafter(history) if speculate and cache.truncatable else None
-    policy = DraftPolicy()
-    ahead: list[int] = []  # draft tokens in the cache past the accepted ones; rows[i] are the logits after ahead[i]
-    rows: list[np.ndarray] = []
-    drafted = 0  # the length of the last draft
-    held = cache.n_tokens  # the positions a cache without drafts would hold now
-    try:
-        while True:
-            position = held = cache.n_tokens - len(ahead)
-            if position >= engine.n_ctx:
-                res.stop_reason = "length"
-                res.kv_sha256 = cache.digest()
-                if prefix_cache is not None:
-                    prefix_cache.store(cache)
-                yield Step(index, position, None, matcher.finish(), digest, [], "length")
+
+    def __init__(self, engine: Engine, prompt_tokens: Sequence[int], sampling: Sampling, *, cache: KVCache | None = None,
+                 result: GenerationResult | None = None, logprobs_k: int | None = None, constraint: Constraint | None = None,
+                 prefix_cache: PrefixCache | None = None, speculate: str | None = None, prefill_chunk: int | None = None):  # fmt: skip
+        check_prompt(engine, prompt_tokens)
+        if not isinstance(sampling, Sampling):
+            raise InputError(f"sampling must be a Sampling, got {type(sampling).__name__}")
+        if logprobs_k is not None and (isinstance(logprobs_k, bool) or not isinstance(logprobs_k, int) or logprobs_k < 0):
+            raise InputError(f"logprobs_k must be an int >= 0 or None, got {logprobs_k!r}")
+        check_ignore_eos(constraint, sampling.ignore_eos)
+        check_speculate(speculate)
+        self.engine, self.sampling, self.logprobs_k, self.prefix_cache = engine, sampling, logprobs_k, prefix_cache
+        self.guide = Guide(constraint, engine.tokenizer) if constraint is not None else None
+        self.result = res = result if result is not None else GenerationResult()
+        self.cache = cache = cache if cache is not None else engine.new_cache()
+        if prefix_cache is not None:
+            prefix_cache.restore_longest(cache, prompt_tokens)
+        reused = cache.keep_prefix(prompt_tokens)
+        res.reused_tokens, res.timings.prompt_tokens = reused, len(prompt_tokens) - reused
+        self.history = list(prompt_tokens)
+        self._prefill = self.history[reused:]  # prompt tokens still to run
+        self._prefill_chunk = prefill_chunk or len(self._prefill)
+        self._decoder = engine.tokenizer.stream_decoder()
+        self._matcher = _StopMatcher(sampling.stop)
+        self._eog = frozenset() if sampling.ignore_eos else engine.tokenizer.eog_ids
+        self._digest = DIGEST_SEED
+        self._t0 = time.perf_counter()
+        self._index = 0
+        self._logits: np.ndarray | None = None  # what the next token is sampled from, once computed
+        self._pending: tuple[list[int], bool] | None = None  # the decode forward the next token waits for
+        self._drafter = NgramDrafter(self.history) if speculate and cache.truncatable else None
+        self._policy = DraftPolicy()
+        self._ahead: list[int] = []  # draft tokens in the cache past the accepted ones; rows[i]: the logits after ahead[i]
+        self._rows: list[np.ndarray] = []
+        self._drafted = 0  # the length of the last draft
+        self._held = cache.n_tokens  # the positions a cache without drafts would hold now
+        self.done = False
+
+    def need(self) -> tuple[list[int], bool] | None:
+        """(tokens, all_logits) the next forward must run on :attr:`cache`, or None if :meth:`step` can sample now
+        (or the decoding is done)."""
+        if self.done or self._logits is not None:
+            return None
+        if self._prefill:
+            return self._prefill[: self._prefill_chunk], False
+        return self._pending
+
+    def put(self, logits: np.ndarray) -> None:
+        """The logits of the forward :meth:`need` asked for ([n_vocab], or [n, n_vocab] with all_logits)."""
+        if self._prefill:
+            del self._prefill[: self._prefill_chunk]
+            self._held = self.cache.n_tokens
+            if self._prefill:
                 return
-            mdigest = None
+            self.result.timings.prefill_s = time.perf_counter() - self._t0
+            self._t0 = time.perf_counter()
+            self._logits = logits
+        elif self._pending[1]:
+            self._logits, self._rows = logits[0], list(logits[1:])
+        else:
+            self._logits = logits
+        self._pending = None
+
+    def step(self) -> Step:
+        """Sample the next token from the logits :meth:`put` gave (or a draft's, already computed) and return its
+        Step; the last Step has a stop reason and sets :attr:`done`. Raises ConstraintError (a constraint that can no
+        longer be completed)."""
+        engine, cache, res, guide, logits = self.engine, self.cache, self.result, self.guide, self._logits
+        index = self._index
+        position = self._held = cache.n_tokens - len(self._ahead)
+        if position >= engine.n_ctx:
+            return self._finish(Step(index, position, None, self._matcher.finish(), self._digest, [], "length"))
+        mdigest = None
+        if guide is not None:
+            token = sample(guide.mask(logits), self.sampling, position, self.history)
+            mdigest = guide.digest
+            res.mask_digests.append(mdigest)
+        else:
+            token = sample(logits, self.sampling, position, self.history)
+        self._digest = digest = chain_digest(self._digest, logits)
+        top = top_logits(logits, 5)
+        lp, top_lp = None, None
+        if (k := self.logprobs_k) is not None:
+            ranked = top if k <= len(top) else top_logits(logits, k)
+            ids = [token] + [i for i, _ in ranked[:k]]
+            values = log_softmax_at(logits, ids)
+            lp, top_lp = values[0], list(zip(ids[1:], values[1:]))
+            res.logprobs.append((lp, top_lp))
+        res.tokens.append(token)
+        res.digests.append(digest)
+        res.top.append(top)
+        self.history.append(token)
+        if token in self._eog:
+            reason, text = "eos", self._matcher.finish()
+        else:
             if guide is not None:
-                token = sample(guide.mask(logits), sampling, position, history)
-                mdigest = guide.digest
-                res.mask_digests.append(mdigest)
-            else:
-                token = sample(logits, sampling, position, history)
-            digest = chain_digest(digest, logits)
-            top = top_logits(logits, 5)
-            lp, top_lp = None, None
-            if logprobs_k is not None:
-                ranked = top if logprobs_k <= len(top) else top_logits(logits, logprobs_k)
-                ids = [token] + [i for i, _ in ranked[:logprobs_k]]
-                values = log_softmax_at(logits, ids)
-                lp, top_lp = values[0], list(zip(ids[1:], values[1:]))
-                res.logprobs.append((lp, top_lp))
-            res.tokens.append(token)
-            res.digests.append(digest)
-            res.top.append(top)
-            history.append(token)
-            if token in eog:
-                reason, text = "eos", matcher.finish()
-            else:
-                if guide is not None:
-                    guide.consume(token)
-                text, hit = matcher.push(decoder.feed(token))
-                stop_hit = "stop" if guide is None else "stop_cut"
-                reason = stop_hit if hit else "max_tokens" if index + 1 >= max_tokens else "length" if position + 1 >= engine.n_ctx else None
-                if reason in ("max_tokens", "length"):
-                    text += matcher.finish()
-            res.text += text
-            if reason is not None:
-                if cache.n_tokens > position:
-                    cache.truncate(position)
-                res.stop_reason = reason
-                res.timings.decode_s = time.perf_counter() - t0
-                res.timings.decode_tokens = index
-                res.kv_sha256 = cache.digest()
-                if prefix_cache is not None:
-                    prefix_cache.store(cache)
-                yield Step(index, position, token, text, digest, top, reason, lp, top_lp, mdigest)
-                return
-            yield Step(index, position, token, text, digest, top, None, lp, top_lp, mdigest)
-            index += 1
-            if ahead and ahead[0] == token:  # the draft was right: its logits are already computed
-                ahead.pop(0)
-                logits = rows.pop(0)
-                res.accepted_tokens += 1
-                continue
-            if drafter is None:
-                logits = engine.forward([token], cache)
-                continue
-            if drafted:
-                policy.taken(drafted, drafted - len(ahead))
-            if ahead:  # the first draft token that differs from the sampled one, and those after it
+                guide.consume(token)
+            text, hit = self._matcher.push(self._decoder.feed(token))
+            stop_hit = "stop" if guide is None else "stop_cut"
+            reason = stop_hit if hit else "max_tokens" if index + 1 >= self.sampling.max_tokens else "length" if position + 1 >= engine.n_ctx else None
+            if reason in ("max_tokens", "length"):
+                text += self._matcher.finish()
+        res.text += text
+        step = Step(index, position, token, text, digest, top, reason, lp, top_lp, mdigest)
+        if reason is not None:
+            if cache.n_tokens > position:
                 cache.truncate(position)
-            fits = min(max_tokens - index - 1, engine.n_ctx - position - 2)  # drafts whose rows are sampled from
-            draft = drafter.draft(min(policy.size(), fits)) if fits > 0 else []
-            if draft:
-                out = engine.forward([token, *draft], cache, all_logits=True)
-                logits, rows, ahead = out[0], list(out[1:]), draft
-            else:
-                logits, rows, ahead = engine.forward([token], cache), [], []
-            drafted = len(draft)
-            res.draft_tokens += drafted
-    finally:
-        if cache.n_tokens > held:  # a consumer that stops early leaves the cache as decoding without drafts would
-            cache.truncate(held)
+            res.timings.decode_tokens = index
+            return self._finish(step)
+        self._index += 1
+        self._next(token, position)
+        return step
+
+    def _next(self, token: int, position: int) -> None:
+        """After sampling ``token`` at ``position``: the logits of the next step are a taken draft's, or the next
+        forward runs the token (and a new draft after it)."""
+        ahead = self._ahead
+        if ahead and ahead[0] == token:  # the draft was right: its logits are already computed
+            ahead.pop(0)
+            self._logits = self._rows.pop(0)
+            self.result.accepted_tokens += 1
+            return
+        self._logits = None
+        if self._drafter is None:
+            self._pending = [token], False
+            return
+        if self._drafted:
+            self._policy.taken(self._drafted, self._drafted - len(ahead))
+        if ahead:  # the first draft token that differs from the sampled one, and those after it
+            self.cache.truncate(position)
+        fits = min(self.sampling.max_tokens - self._index - 1, self.engine.n_ctx - position - 2)  # drafts whose rows are sampled from
+        draft = self._drafter.draft(min(self._policy.size(), fits)) if fits > 0 else []
+        self._ahead, self._rows, self._drafted = draft, [], len(draft)
+        self._pending = [token, *draft], bool(draft)
+        self.result.draft_tokens += len(draft)
+
+    def _finish(self, step: Step) -> Step:
+        res = self.result
+        res.stop_reason = step.stop_reason
+        res.timings.decode_s = time.perf_counter() - self._t0
+        res.kv_sha256 = self.cache.digest()
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(self.cache)
+        self.done = True
+        return step
+
+    def close(self) -> None:
+        """Leave the cache as decoding without drafts would at the last Step returned (for a caller that stops
+        early; a no-op once done)."""
+        if self.cache.n_tokens > self._held:
+            self.cache.truncate(self._held)
+        self.done = True

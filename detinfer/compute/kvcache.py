@@ -95,6 +95,16 @@ def check_kv_fits(cfg: ModelConfig, n_ctx: int, kv_type: str) -> int:
     return need
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """The number of leading token ids two sequences share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def canonical_layers(k: Sequence[np.ndarray], v: Sequence[np.ndarray], n: int) -> Iterator[np.ndarray]:
     """Positions 0..n-1 in the canonical order: for each layer, K then V, each a C-contiguous little-endian
     [n, n_head_kv, head_dim] array (independent of the in-memory layout).
@@ -303,10 +313,7 @@ class KVCache:
         """Keep the longest prefix of ``tokens`` this cache already holds, at most len(tokens) - 1 (the last token's
         logits are always computed), truncating what differs; returns its length. Exact: attention state at a
         position depends only on the tokens up to it."""
-        held = self.tokens
-        n, limit = 0, min(len(held), len(tokens) - 1)
-        while n < limit and held[n] == tokens[n]:
-            n += 1
+        n = max(0, min(common_prefix(self.tokens, tokens), len(tokens) - 1))
         if n < self.n_tokens:
             self.truncate(n)
         return n

@@ -29,6 +29,7 @@ from typing import Any
 from ..compute.constrain import Constraint
 from ..compute.engine import Engine
 from ..compute.generate import GenerationResult
+from ..compute.kvcache import common_prefix
 from ..compute.sampling import Sampling
 from ..errors import DetinferError
 from ..fileio import publish_new
@@ -78,15 +79,6 @@ class _Session:
     reply: dict | None = None  # the last reply as the record holds it (what a re-sent one is compared with)
 
 
-def _shared(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class Recorder:
     """Writes every finished request into the session files of ``directory`` (see the module docstring)."""
 
@@ -113,7 +105,7 @@ class Recorder:
         order = [(s, i) for i, s in enumerate(self.sessions) if carries(s)]
         if not order:
             return None
-        return max(order, key=lambda si: (_shared(si[0].history, ex.prompt), si[1]))[0]
+        return max(order, key=lambda si: (common_prefix(si[0].history, ex.prompt), si[1]))[0]
 
     def _turn(self, ex: Exchange, sess: _Session | None) -> TurnRecord:
         res, prompt = ex.result, ex.prompt
@@ -123,7 +115,7 @@ class Recorder:
             n = len(sess.messages)
             new_messages = ex.messages[n + 1:]
             resent = ex.messages[n] if ex.messages[n] != sess.reply else None
-        kept = min(_shared(history, prompt), len(prompt) - 1)
+        kept = min(common_prefix(history, prompt), len(prompt) - 1)
         return TurnRecord.of(
             res, new_messages, ex.sampling.model_dump(), prompt[kept:], ex.constraint, ex.seconds,
             template_note=ex.note,

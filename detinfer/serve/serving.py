@@ -48,7 +48,7 @@ from ..records.kv_dir import KVDir
 from ..records.manifest import tokens_sha256
 from ..version import __version__
 from .protocol import BODY_TIMEOUT_S, MAX_BODY_BYTES, ApiError, SamplingFields, Tool
-from .worker import Job, Worker
+from .worker import DEFAULT_BATCH, Job, Worker
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,7 @@ class ServerSettings:
     kv_dir: Path | None = None  # --kv-dir: the prefix cache's snapshots also on disk, reloaded at start
     kv_dir_bytes: int = 4 << 30  # --kv-dir-bytes: that folder's budget for this model's files
     speculate: str | None = None  # --speculate: the decode worker's drafter (compute.speculate; same bytes)
+    batch: int = DEFAULT_BATCH  # --batch: sequences the decode worker steps together (each gets its bytes alone)
 
 
 STOP_S = 0.25  # seconds the app's shutdown waits for the decode thread (its jobs are cancelled by then)
@@ -98,7 +99,7 @@ class Server:
                            shape=(cfg.n_layer, cfg.n_head_kv, cfg.head_dim))  # fmt: skip
         self.worker = Worker(engine, threads=settings.threads, cache_bytes=settings.cache_bytes,
                              record_dir=settings.record_dir, chat_template=settings.chat_template, drain_s=STOP_S,
-                             kv_dir=kv_dir, speculate=check_speculate(settings.speculate))  # fmt: skip
+                             kv_dir=kv_dir, speculate=check_speculate(settings.speculate), batch=settings.batch)  # fmt: skip
         self.model_id = name_for_sha256(engine.model_file.sha256) or engine.model_file.path.stem
         path = engine.model_file.path
         # every name a request's model may give: registry name, file name, stem, then the aliases

@@ -1,10 +1,14 @@
-"""The decode worker: one thread that owns the KV cache and the prefix cache and runs one job at a time.
+"""The decode worker: one thread that owns the KV caches and the prefix cache and steps up to ``batch`` jobs together.
 
-numba's kernels and the KV cache are not shared across threads, and two thread pools on the same cores would
-slow each other many-fold, so every generation of the server runs here, in arrival order. A job's ``emit`` is
-called from this thread (thread-safe); the worker never waits for a client: a job whose client went away is
-cancelled between two steps, and its partial cache stays an exact prefix for later requests. The reply is parsed
-here, once, and travels with the "done" event: nothing a request contains is parsed or validated on the event loop.
+numba's kernels and the KV caches are not shared across threads, and two thread pools on the same cores would
+slow each other many-fold, so every generation of the server runs here. Jobs are taken in arrival order; a new one
+joins the running ones at the next step boundary (continuous batching), and each step is one
+``Engine.forward_batch`` over every job that needs a forward (a prefill chunk, a decode row, a draft window), in
+which each sequence gets exactly the bytes it gets alone: a response never depends on what ran beside it. A job's
+``emit`` is called from this thread (thread-safe); the worker never waits for a client: a job whose client went
+away is cancelled between two steps, and its partial cache stays an exact prefix for later requests. The reply is
+parsed here, once, and travels with the "done" event: nothing a request contains is parsed or validated on the
+event loop.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..compute.constrain import Constraint
-from ..compute.engine import Engine, set_threads
-from ..compute.generate import GenerationResult, generate
+from ..compute.engine import DEFAULT_CHUNK, Engine, set_threads
+from ..compute.generate import Decoding, GenerationResult
+from ..compute.kvcache import KVCache, common_prefix
 from ..compute.prefix_cache import PrefixCache
 from ..compute.sampling import Sampling
 from ..errors import DetinferError
@@ -29,6 +34,8 @@ from ..records.kv_dir import KVDir
 from ..records.recorder import Exchange, Recorder
 from .protocol import ApiError
 from .schemas import ArgumentsValidator
+
+DEFAULT_BATCH = 4  # sequences per step: docs/benchmarks.md, "Server under concurrent load"
 
 
 @dataclass(eq=False)  # a job is itself (hashed by identity: Server.active)
@@ -88,14 +95,14 @@ class Worker:
 
     def __init__(self, engine: Engine, *, threads: int | None, cache_bytes: int, record_dir: Path | None,
                  chat_template: ChatTemplate | None, drain_s: float, kv_dir: KVDir | None = None,
-                 speculate: str | None = None):  # fmt: skip
-        self.engine, self.threads, self.drain_s, self.speculate = engine, threads, drain_s, speculate
+                 speculate: str | None = None, batch: int = 1):  # fmt: skip
+        self.engine, self.threads, self.drain_s, self.speculate, self.batch = engine, threads, drain_s, speculate, batch
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.kv_dir = kv_dir
         self.prefix = PrefixCache(cache_bytes, store=kv_dir)
         self.recorder = Recorder(record_dir, engine, chat_template) if record_dir is not None else None
         self.thread = threading.Thread(target=self._loop, name="detinfer-decode", daemon=True)
-        self.current: Job | None = None
+        self.running: list[_Running] = []  # the jobs of the current step (only the decode thread changes it)
 
     def start(self) -> None:
         self.thread.start()
@@ -110,8 +117,8 @@ class Worker:
                 break
             if job is not None:
                 job.cancel.set()
-        if (job := self.current) is not None:
-            job.cancel.set()
+        for r in list(self.running):
+            r.job.cancel.set()
         self.jobs.put(None)
         self.thread.join(timeout=self.drain_s)
         if self.kv_dir is not None:
@@ -119,31 +126,81 @@ class Worker:
 
     def _loop(self) -> None:
         set_threads(self.threads)  # numba's thread count is per calling thread
-        cache = self.engine.new_cache()
-        while (job := self.jobs.get()) is not None:
-            if job.cancel.is_set():
+        free: list[KVCache] = []  # caches no job holds, kept for the prefixes they hold
+        stopping = False
+        while True:
+            while not stopping and len(self.running) < self.batch:  # new jobs join at a step boundary
+                try:
+                    job = self.jobs.get(block=not self.running)
+                except queue.Empty:
+                    break
+                if job is None:
+                    stopping = True
+                elif not job.cancel.is_set():
+                    self._admit(job, free)
+            if not self.running:
+                if stopping:
+                    return
                 continue
-            self.current, job.started = job, True
-            job.emit(("start", None))
-            try:
-                self._run(job, cache)
-            except DetinferError as e:
-                job.emit(("error", ApiError(400, str(e), code=type(e).__name__)))
-            except Exception as e:  # keep serving; report the failure to this request only
-                job.emit(("error", ApiError(500, f"internal error: {type(e).__name__}: {e}", type_="server_error")))
-            finally:
-                self.current = None
+            self._advance(free)
 
-    def _run(self, job: Job, cache) -> None:
-        res = GenerationResult()
-        t0 = time.perf_counter()
-        for step in generate(self.engine, job.prompt, job.sampling, cache=cache, result=res, logprobs_k=job.logprobs_k,
-                             constraint=job.constraint, prefix_cache=self.prefix, speculate=self.speculate):  # fmt: skip
-            if job.cancel.is_set():
-                return  # client gone: the partial cache is still an exact prefix for later requests
-            if job.stream or job.logprobs_k is not None:  # non-streaming logprobs are built from the same steps
-                job.emit(("step", step))
-        seconds = time.perf_counter() - t0
+    def _admit(self, job: Job, free: list[KVCache]) -> None:
+        """Start ``job`` on the free cache that holds the longest prefix of its prompt (or a new one)."""
+        job.started = True
+        job.emit(("start", None))
+        best = max(range(len(free)), key=lambda i: common_prefix(free[i].tokens, job.prompt), default=None)
+        cache = free.pop(best) if best is not None else self.engine.new_cache()
+        try:
+            decoding = Decoding(self.engine, job.prompt, job.sampling, cache=cache, logprobs_k=job.logprobs_k,
+                                constraint=job.constraint, prefix_cache=self.prefix, speculate=self.speculate,
+                                prefill_chunk=DEFAULT_CHUNK)  # fmt: skip
+        except Exception as e:
+            free.append(cache)
+            job.emit(("error", _api_error(e)))
+            return
+        self.running.append(_Running(job, decoding, time.perf_counter()))
+
+    def _advance(self, free: list[KVCache]) -> None:
+        """One forward step over every running job that needs one (Engine.forward_batch: each gets the bytes it
+        gets alone), then each job's steps up to its next forward; finished, failed and cancelled jobs leave and
+        their caches go back to ``free`` (an exact prefix for later requests)."""
+
+        def leave(r: _Running, error: Exception | None = None) -> None:
+            self.running.remove(r)
+            r.decoding.close()
+            free.append(r.decoding.cache)
+            del free[: -self.batch]  # the most recently used caches are kept
+            if error is not None:
+                r.job.emit(("error", _api_error(error)))
+
+        for r in [r for r in self.running if r.job.cancel.is_set()]:
+            leave(r)
+        needs = [(r, need) for r in self.running if (need := r.decoding.need()) is not None]
+        if needs:
+            try:
+                out = self.engine.forward_batch([(tokens, r.decoding.cache, all_logits) for r, (tokens, all_logits) in needs])
+            except Exception as e:  # keep serving; report the failure to the requests of this step only
+                for r, _ in needs:
+                    leave(r, e)
+                return
+            for (r, _), logits in zip(needs, out):
+                r.decoding.put(logits)
+        for r in list(self.running):
+            job, decoding = r.job, r.decoding
+            try:
+                while not decoding.done and decoding.need() is None and not job.cancel.is_set():
+                    step = decoding.step()
+                    if job.stream or job.logprobs_k is not None:  # non-streaming logprobs are built from the same steps
+                        job.emit(("step", step))
+                if decoding.done:
+                    self._finish(r)
+                    leave(r)
+            except Exception as e:
+                leave(r, e)
+
+    def _finish(self, r: _Running) -> None:
+        job, res = r.job, r.decoding.result
+        seconds = time.perf_counter() - r.t0
         reply = job.reply(res)
         if self.recorder is not None:
             ex = Exchange(job.prompt, job.chat, job.messages, job.note, res, job.sampling, reply,
@@ -151,3 +208,17 @@ class Worker:
                           job.parallel_tool_calls)  # fmt: skip
             job.recorded = self.recorder.add(ex) is not None
         job.emit(("done", (res, reply)))
+
+
+@dataclass(eq=False)
+class _Running:
+    job: Job
+    decoding: Decoding
+    t0: float
+
+
+def _api_error(e: Exception) -> ApiError:
+    """A job's failure for its client: bad input is a 400 naming it, anything else a 500 (the server keeps serving)."""
+    if isinstance(e, DetinferError):
+        return ApiError(400, str(e), code=type(e).__name__)
+    return ApiError(500, f"internal error: {type(e).__name__}: {e}", type_="server_error")
