@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= Give me three tips for staying healthy.
 
-.PHONY: run test test-boundscheck verify bench bench-busy bench-speculate profile bench-peers bench-models scale fuzz manifests golden-update install pull clean portability portability-full
+.PHONY: run test test-boundscheck verify bench bench-busy bench-speculate bench-serve profile bench-peers bench-models scale fuzz manifests golden-update install pull clean portability portability-full
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -119,6 +119,7 @@ bench: pull $(patsubst %,$(PEERS_DIR)/llama-cpp-%/BUILD,$(subst $(comma), ,$(BEN
 	$(BIN)/detinfer bench kv --plot docs/kv.png --results bench/results.json --markdown docs/benchmarks.md
 	$(MAKE) bench-busy
 	$(MAKE) bench-speculate
+	$(MAKE) bench-serve
 	$(MAKE) profile
 
 # Idle and beside a busy loop holding one core: detinfer at 1, 2 and its default threads, llama.cpp (the host peer)
@@ -133,6 +134,13 @@ bench-busy: pull $(PEERS_DIR)/llama-cpp-host/BUILD $(VENV)/.bench-installed
 bench-speculate: pull
 	$(BIN)/detinfer pull gemma3-270m-q4_k_m
 	$(BIN)/detinfer bench speculate --out bench/speculate.json --markdown docs/benchmarks.md
+
+# A real `detinfer serve` under 1, 2, 4 and 8 concurrent streaming clients at --batch 1, 4 and 8, both
+# models at 1 and 2 threads, every response checked against the same request alone (bench/serve.py), into bench/serve.json
+# and a section of docs/benchmarks.md; about 5 min.
+bench-serve: pull
+	$(BIN)/detinfer pull gemma3-270m-q4_k_m
+	$(BIN)/detinfer bench serve --out bench/serve.json --markdown docs/benchmarks.md
 
 # Where the time goes (bench/profile.py): every kernel call of a real prefill of 512 tokens and 64 decode steps, both
 # models at 1 and 2 threads, as a section of docs/benchmarks.md beside PROFILE_BEFORE (the same run on the commit this

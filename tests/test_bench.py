@@ -409,3 +409,28 @@ def test_speculate_bench_checks_every_run_and_its_section_is_kept(tmp_path, mode
     monkeypatch.setattr(KVCache, "truncate", lambda self, n: truncate(self, min(self.n_tokens, n + 1)))
     with pytest.raises(DetinferError, match="speculative decoding changed the output"):
         speculate.run_speculate([str(model_path)], threads=(1,), runs=1, progress=lambda msg: None)
+
+
+def test_serve_bench_checks_every_response_and_its_section_is_kept(tmp_path, model_path, monkeypatch):
+    """``detinfer bench serve`` on SmolLM2 against a real server process at --batch 4, with 1, 2 and 4 clients of few
+    tokens: figures for each count, the floor row, the section replaced and kept by the main report; responses
+    that do not match the same request alone (the clients' results swapped) are an error, never a figure."""
+    from detinfer.bench import serve
+
+    monkeypatch.setattr(serve, "CLIENTS", (1, 2, 4))
+    monkeypatch.setattr(serve, "MAX_TOKENS", 8)
+    result = serve.run_serve([str(model_path)], threads=(1,), batches=(4,), progress=lambda msg: None)
+    rows = result["models"][str(model_path)]["1/4"]
+    assert set(rows) == {"1", "2", "4"} and all(r["tok_s"] > 0 and r["latency_s"] > 0 for r in rows.values())
+    assert len(serve.floors(result)) == 1
+    out, md = tmp_path / "serve.json", tmp_path / "benchmarks.md"
+    md.write_text("# Benchmarks\n")
+    serve.write_serve(result, out, md)
+    serve.write_serve(result, out, md)
+    assert md.read_text().count(bench_report.SERVE_BEGIN) == 1
+    bench_report.write_report(_report(), tmp_path / "results.json", md)
+    assert serve.markdown(result) in md.read_text()
+    together = serve._together
+    monkeypatch.setattr(serve, "_together", lambda server, n: together(server, n)[::-1])
+    with pytest.raises(DetinferError, match="differed from the same request alone"):
+        serve.run_serve([str(model_path)], threads=(1,), batches=(4,), progress=lambda msg: None)

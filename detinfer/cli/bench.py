@@ -189,3 +189,26 @@ def bench_speculate(
     except DetinferError as e:
         fail(e)
     out.print(f"wrote {escape(str(out_path))} and the speculation section of {escape(str(markdown))}")
+
+
+@bench_app.command("serve")
+def bench_serve(
+    models: Annotated[Optional[list[str]], typer.Option("--model", "-m", help="Registry name or .gguf path (repeatable; "
+                                                        "default: SmolLM2 and Gemma 3).")] = None,
+    threads: Annotated[str, typer.Option("--threads", help="The server's --threads values, comma-separated.")] = "1,2",
+    batches: Annotated[str, typer.Option("--batch", help="The server's --batch values, comma-separated.")] = "1,4,8",
+    out_path: Annotated[Path, typer.Option("--out", "-o", help="Results (JSON).")] = Path("bench/serve.json"),
+    markdown: Annotated[Path, typer.Option("--markdown", help="Markdown file whose server section is replaced.")] = Path("docs/benchmarks.md"),
+) -> None:
+    """A real server under 1, 2, 4 and 8 concurrent streaming clients, one request per step and batched (every
+    response checked against the same request alone). Use an otherwise idle machine."""
+    from ..bench.serve import run_serve, write_serve
+    from ..bench.suite import DEFAULT_MODELS, parse_counts
+
+    try:
+        result = run_serve(models or DEFAULT_MODELS, threads=parse_counts(threads, "--threads"), batches=parse_counts(batches, "--batch"),
+                           progress=lambda msg: err.print(f"[dim]{escape(msg)}[/]"))  # fmt: skip
+        write_serve(result, out_path, markdown)
+    except DetinferError as e:
+        fail(e)
+    out.print(f"wrote {escape(str(out_path))} and the server section of {escape(str(markdown))}")

@@ -35,7 +35,7 @@ from ..records.recorder import Exchange, Recorder
 from .protocol import ApiError
 from .schemas import ArgumentsValidator
 
-DEFAULT_BATCH = 4  # sequences per step: docs/benchmarks.md, "Server under concurrent load"
+DEFAULT_BATCH = 8  # sequences per step: docs/benchmarks.md, "Server under concurrent load"
 
 
 @dataclass(eq=False)  # a job is itself (hashed by identity: Server.active)
