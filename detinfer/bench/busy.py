@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..errors import InputError
-from .report import BUSY_BEGIN, BUSY_END, display_name, stats, write_section
+from .report import BUSY_BEGIN, BUSY_END, display_name, floor_table, stats, write_section
 from .suite import _machine, _Worker, peer_dir
 
 CELLS = (("prefill_256", "prefill", 256), ("decode_64", "decode", 64))
@@ -106,8 +106,7 @@ def markdown(result: dict) -> str:
         for name in fig["idle"]:
             s = [fig[load][name][c] for load in LOADS for c in cells]
             lines.append(f"| {name} | " + " | ".join(f"{x['median']:g} ({x['min']:g}–{x['max']:g})" for x in s) + " |")
-        lines += ["", "| floor | measured | holds |", "|---|---:|---|"]
-        lines += [f"| {f} | {v} | {'yes' if ok else '**no**'} |" for f, v, ok in floors(fig)]
+        lines += floor_table(floors(fig))
         lines.append("")
     return "\n".join(lines + [BUSY_END]) + "\n"
 

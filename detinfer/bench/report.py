@@ -263,6 +263,11 @@ def _yes(ok: bool) -> str:
     return "yes" if ok else "**no**"
 
 
+def floor_table(floors: list[tuple[str, str, bool]]) -> list[str]:
+    """Markdown lines of a blank line and a table of (floor, measured, holds) rows."""
+    return ["", "| floor | measured | holds |", "|---|---:|---|"] + [f"| {f} | {v} | {_yes(ok)} |" for f, v, ok in floors]
+
+
 def figure_label(name: str) -> str:
     """A figure's name in tables: "prefill_512_tok_s" -> "prefill 512"."""
     return name.removesuffix("_tok_s").replace("_", " ")
@@ -445,7 +450,7 @@ def _model_markdown(m: ModelReport, runs: int, n_ctx: int) -> list[str]:
     other_lines, other_floors = _other_figures(m, n_ctx)
     floors = ratio_floors + other_floors
     return (lines + [""] + (ratio_lines + [""] if len(ratio_lines) > 2 else []) + other_lines
-            + ["", "| floor | measured | holds |", "|---|---|---|"] + [f"| {f} | {v} | {_yes(ok)} |" for f, v, ok in floors] + [""])
+            + floor_table(floors) + [""])
 
 
 def kv_markdown(kv: KVCurve, folder: Path) -> list[str]:

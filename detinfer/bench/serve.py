@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..errors import DetinferError, InputError
-from .report import SERVE_BEGIN, SERVE_END, display_name, write_section
+from .report import SERVE_BEGIN, SERVE_END, display_name, floor_table, write_section
 from .suite import _machine
 
 CLIENTS = (1, 2, 4, 8)
@@ -170,8 +170,7 @@ def markdown(result: dict) -> str:
             for n, f in rows.items():
                 lines.append(f"| {display_name(model)} | {' | '.join(key.split('/'))} | {n} | {f['tok_s']:g} | {f['tok_s'] / rows['1']['tok_s']:.2f}x | "
                              f"{f['first_token_s']:g} | {f['latency_s']:g} |")  # fmt: skip
-    lines += ["", "| floor | measured | holds |", "|---|---:|---|"]
-    lines += [f"| {f} | {v} | {'yes' if ok else '**no**'} |" for f, v, ok in floors(result)]
+    lines += floor_table(floors(result))
     return "\n".join(lines + ["", SERVE_END]) + "\n"
 
 

@@ -22,7 +22,7 @@ from ..compute.threads import fixed_threads
 from ..errors import DetinferError, InputError
 from ..model.chat import ChatTemplate
 from ..records.run import build_prompt
-from .report import SPECULATE_BEGIN, SPECULATE_END, display_name, stats, write_section
+from .report import SPECULATE_BEGIN, SPECULATE_END, display_name, floor_table, stats, write_section
 from .suite import _machine
 
 _TOOL_RESULT = {"location": "Lyon, France", "forecast": [
@@ -115,8 +115,7 @@ def markdown(result: dict) -> str:
                 taken = f"{f['accepted']}/{f['drafted']}" if f["drafted"] else "0/0"
                 lines.append(f"| {display_name(model)} | {n} | {task} | {f['tokens']} | {p['median']:g} ({p['min']:g}–{p['max']:g}) | "
                              f"{s['median']:g} ({s['min']:g}–{s['max']:g}) | {s['median'] / p['median']:.2f}x | {taken} |")  # fmt: skip
-    lines += ["", "| floor | measured | holds |", "|---|---:|---|"]
-    lines += [f"| {f} | {v} | {'yes' if ok else '**no**'} |" for f, v, ok in floors(result)]
+    lines += floor_table(floors(result))
     return "\n".join(lines + ["", SPECULATE_END]) + "\n"
 
 
