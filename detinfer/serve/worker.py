@@ -95,7 +95,7 @@ class Worker:
 
     def __init__(self, engine: Engine, *, threads: int | None, cache_bytes: int, record_dir: Path | None,
                  chat_template: ChatTemplate | None, drain_s: float, kv_dir: KVDir | None = None,
-                 speculate: str | None = None, batch: int = 1):  # fmt: skip
+                 speculate: str | None = None, batch: int = DEFAULT_BATCH):  # fmt: skip
         self.engine, self.threads, self.drain_s, self.speculate, self.batch = engine, threads, drain_s, speculate, batch
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.kv_dir = kv_dir
