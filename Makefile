@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= Give me three tips for staying healthy.
 
-.PHONY: run test test-boundscheck verify bench bench-busy bench-speculate bench-serve profile bench-peers bench-models scale fuzz manifests golden-update install pull clean portability portability-full
+.PHONY: run test test-boundscheck verify bench bench-busy bench-speculate bench-serve bench-lockstep profile bench-peers bench-models scale fuzz manifests golden-update install pull clean portability portability-full
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -120,6 +120,7 @@ bench: pull $(patsubst %,$(PEERS_DIR)/llama-cpp-%/BUILD,$(subst $(comma), ,$(BEN
 	$(MAKE) bench-busy
 	$(MAKE) bench-speculate
 	$(MAKE) bench-serve
+	$(MAKE) bench-lockstep
 	$(MAKE) profile
 
 # Idle and beside a busy loop holding one core: detinfer at 1, 2 and its default threads, llama.cpp (the host peer)
@@ -141,6 +142,13 @@ bench-speculate: pull
 bench-serve: pull
 	$(BIN)/detinfer pull gemma3-270m-q4_k_m
 	$(BIN)/detinfer bench serve --out bench/serve.json --markdown docs/benchmarks.md
+
+# detinfer verify (manifests/, and a folder of decode-heavy manifests) and detinfer batch, one file at a time and in
+# lockstep (--batch 1 and the default), both models, 1 and 2 threads, as detinfer processes; every verify matches and the
+# batch folders are byte-identical (bench/lockstep.py), into bench/lockstep.json and a section of docs/benchmarks.md.
+bench-lockstep: pull
+	$(BIN)/detinfer pull gemma3-270m-q4_k_m
+	$(BIN)/detinfer bench lockstep --out bench/lockstep.json --markdown docs/benchmarks.md
 
 # Where the time goes (bench/profile.py): every kernel call of a real prefill of 512 tokens and 64 decode steps, both
 # models at 1 and 2 threads, as a section of docs/benchmarks.md beside PROFILE_BEFORE (the same run on the commit this

@@ -30,14 +30,13 @@ from detinfer.integrations.batch import (
     batch_failed,
     batch_task,
     read_batch,
-    read_records,
     reexecute_task,
 )
 from detinfer.integrations.distributed import check_address, fan_out, run_on_ray
 from detinfer.records.engines import EngineCache
 from detinfer.records.outcome import MATCH, Outcome
 from detinfer.records.session import ScriptTurn, run_session
-from detinfer.records.verify import reexecute_file
+from detinfer.records.verify import read_all, reexecute_file
 
 ROOT = Path(__file__).resolve().parent.parent
 LINES = [  # short runs: plain, chat, seeded sampling, messages with a stop string, an f32 greedy list
@@ -273,7 +272,7 @@ def test_ray_address_forms():
 
 
 def test_a_file_that_cannot_be_read_is_bad_input_before_any_worker_runs():
-    (item,) = read_records([Path("no/such/manifest.json")])
+    (item,) = read_all([Path("no/such/manifest.json")])
     r = reexecute_task(WorkerState(), item, pull=True)
     assert r.status == BAD_INPUT and "no/such/manifest.json" in r.message
 

@@ -35,6 +35,7 @@ from .llm import (
 from .models import DEFAULT_MODEL, ModelInfo, list_models, model_info, pull
 from .records import (
     BAD_INPUT,
+    DEFAULT_BATCH,
     MATCH,
     MISMATCH,
     Outcome,
@@ -47,6 +48,7 @@ from .records import (
     exit_code,
     inspect_kv,
     load_script,
+    read_all,
     replay,
     rerun,
     selftest,
@@ -56,9 +58,9 @@ from .records import (
     verify,
 )
 
-__all__ = ["BAD_INPUT", "Constraint", "Conversation", "DEFAULT_MODEL", "LLM", "MATCH", "MISMATCH", "ModelInfo", "Outcome",
+__all__ = ["BAD_INPUT", "DEFAULT_BATCH", "Constraint", "Conversation", "DEFAULT_MODEL", "LLM", "MATCH", "MISMATCH", "ModelInfo", "Outcome",
            "PROGRESS_MARK", "ReplayOptions", "Result", "SPECULATORS", "Sampling", "SessionResult", "Step", "Stream", "VerifyResult", "branch",
            "check_chunk_size", "check_speculate",
            "collect", "collect_sessions", "constraint_from_options", "describe_machine", "exit_code", "inspect_kv",
-           "list_models", "load", "load_messages", "load_script", "model_info", "pull", "read_prompt_file", "replay",
+           "list_models", "load", "load_messages", "load_script", "model_info", "pull", "read_all", "read_prompt_file", "replay",
            "rerun", "selftest", "selftest_ok", "set_threads", "short_machine", "to_json_lines", "verify"]

@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterable
 
 from ..compute.engine import DEFAULT_CHUNK, check_chunk_size, set_threads
 from ..compute.generate import Step
+from ..compute.lockstep import DEFAULT_BATCH, check_batch
 from ..compute.prefix_cache import PrefixCache
 from ..compute.speculate import check_speculate
 from ..errors import InputError
@@ -29,13 +30,13 @@ from ..records.replay import branch as branch_record
 from ..records.selftest import Row, matrix
 from ..records.selftest import ok as selftest_ok
 from ..records.session import SessionRecord, load_script, load_session
-from ..records.verify import ReplayOptions, reexecute, reexecute_file
+from ..records.verify import ReplayOptions, read_all, reexecute, reexecute_all
 from ..records.verify import verify as verify_paths
 
 VerifyResult = Outcome  # the name of earlier releases
 
-__all__ = ["BAD_INPUT", "MATCH", "MISMATCH", "Outcome", "ReplayOptions", "VerifyResult", "branch", "collect", "collect_sessions",
-           "describe_machine", "exit_code", "inspect_kv", "load_script", "replay", "rerun", "selftest", "selftest_ok",
+__all__ = ["BAD_INPUT", "DEFAULT_BATCH", "MATCH", "MISMATCH", "Outcome", "ReplayOptions", "VerifyResult", "branch", "collect", "collect_sessions",
+           "describe_machine", "exit_code", "inspect_kv", "load_script", "read_all", "replay", "rerun", "selftest", "selftest_ok",
            "short_machine", "to_json_lines", "verify"]
 
 
@@ -44,30 +45,36 @@ def _paths(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list:
 
 
 def verify(paths: str | os.PathLike | Iterable[str | os.PathLike], *, model: str | os.PathLike | None = None,
-           threads: int | None = None, on_result: Callable[[Outcome], None] | None = None, rederive: bool = False) -> list[Outcome]:  # fmt: skip
+           threads: int | None = None, on_result: Callable[[Outcome], None] | None = None, rederive: bool = False,
+           batch: int = DEFAULT_BATCH) -> list[Outcome]:  # fmt: skip
     """Re-execute recorded files: run manifests, golden / snapshot token streams and session records (files, or
     folders searched for ``*.json``), each read once, and compare what the determinism contract covers. Returns one
     :class:`~detinfer.records.outcome.Outcome` per file, in order: ``status`` is "match", "mismatch" or "bad input" (a
     missing model, an edited record...), ``report()`` the lines saying what differs, ``turns`` a session's rows.
     ``model`` overrides the recorded model's file (its sha256 must match). ``on_result`` is called with each result
     as it is ready. ``rederive`` loads every model from its GGUF alone, using no derived file (see :func:`load`).
-    Raises ManifestError for a path that does not exist, InputError for a bad ``threads``."""
+    ``batch``: the records of one model re-executed per forward step (lockstep; 1: one after another), never changing
+    an outcome (only timings and a session's reused_tokens). Raises ManifestError for a path that does not exist,
+    InputError for a bad ``threads`` or ``batch``."""
     set_threads(threads)
-    return verify_paths(_paths(paths), model=None if model is None else str(model), on_result=on_result, rederive=rederive)
+    return verify_paths(_paths(paths), model=None if model is None else str(model), on_result=on_result, rederive=rederive,
+                        batch=batch)
 
 
 def replay(paths: str | os.PathLike | Iterable[str | os.PathLike], *, model: str | os.PathLike | None = None,
            threads: int | None = None, use_cache: bool = True, kv_dir: str | os.PathLike | None = None,
            until: int | None = None, cache_bytes: int = 1 << 30, warn: Callable[[str], None] | None = None,
            on_result: Callable[[Outcome], None] | None = None, rederive: bool = False,
-           speculate: str | None = None) -> list[Outcome]:  # fmt: skip
+           speculate: str | None = None, batch: int = DEFAULT_BATCH) -> list[Outcome]:  # fmt: skip
     """Re-execute every turn of recorded sessions (files, or folders of ``*.json``): one Outcome per file with a row
     per turn (``turns``; ``rows()`` as ``detinfer replay --json`` prints them). ``use_cache`` False recomputes every
     prefix; ``kv_dir`` restores each turn's prefix from its .detkv snapshot and ``until`` replays the first N turns
     (both: one file); ``rederive`` as in :func:`verify` (not the prefix reuse ``use_cache`` is about); ``speculate``
-    ("ngram") re-executes with speculative decoding (same bytes, see :func:`load`). InputError for a path that is not a session file or folder, or a bad option."""
+    ("ngram") re-executes with speculative decoding (same bytes, see :func:`load`); ``batch`` as in :func:`verify`.
+    InputError for a path that is not a session file or folder, or a bad option."""
     set_threads(threads)
     check_speculate(speculate)
+    check_batch(batch)
     files = collect_sessions(_paths(paths))
     if (kv_dir is not None or until is not None) and len(files) > 1:
         raise InputError("--until, --then and --kv-dir apply to one session file, not a folder")
@@ -78,12 +85,7 @@ def replay(paths: str | os.PathLike | Iterable[str | os.PathLike], *, model: str
     options = ReplayOptions(use_cache=use_cache, kv_dir=None if kv_dir is None else Path(kv_dir), until=until, warn=warn,
                             speculate=speculate)
     engines = EngineCache(None if model is None else str(model), cache_bytes=cache_bytes, rederive=rederive)
-    outcomes = []
-    for f in files:
-        outcomes.append(reexecute_file(f, engines, options))
-        if on_result:
-            on_result(outcomes[-1])
-    return outcomes
+    return reexecute_all(read_all(files), engines, options, batch=batch, on_result=on_result)
 
 
 def rerun(path: str | os.PathLike, *, model: str | os.PathLike | None = None, threads: int | None = None,

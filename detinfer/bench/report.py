@@ -205,12 +205,15 @@ PROFILE_BEGIN, PROFILE_END = "<!-- profile: bench/profile.py -->", "<!-- /profil
 BUSY_BEGIN, BUSY_END = "<!-- busy: detinfer bench busy -->", "<!-- /busy -->"
 SPECULATE_BEGIN, SPECULATE_END = "<!-- speculate: detinfer bench speculate -->", "<!-- /speculate -->"
 SERVE_BEGIN, SERVE_END = "<!-- serve: detinfer bench serve -->", "<!-- /serve -->"
-KEPT_SECTIONS = ((BUSY_BEGIN, BUSY_END), (SPECULATE_BEGIN, SPECULATE_END), (SERVE_BEGIN, SERVE_END), (PROFILE_BEGIN, PROFILE_END))
+LOCKSTEP_BEGIN, LOCKSTEP_END = "<!-- lockstep: detinfer bench lockstep -->", "<!-- /lockstep -->"
+KEPT_SECTIONS = ((BUSY_BEGIN, BUSY_END), (SPECULATE_BEGIN, SPECULATE_END), (SERVE_BEGIN, SERVE_END), (LOCKSTEP_BEGIN, LOCKSTEP_END),
+                 (PROFILE_BEGIN, PROFILE_END))
 
 
 def kept_section(markdown_path: Path) -> str:
     """The sections other commands wrote into an existing markdown file (KEPT_SECTIONS: the busy-core and
-    speculation figures, the server under load, the per-kernel profile, each between its markers), or ""."""
+    speculation figures, the server under load, verify and batch in lockstep, the per-kernel profile, each between its
+    markers), or ""."""
     try:
         text = markdown_path.read_text(encoding="utf-8")
     except OSError:

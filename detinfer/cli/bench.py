@@ -191,6 +191,30 @@ def bench_speculate(
     out.print(f"wrote {escape(str(out_path))} and the speculation section of {escape(str(markdown))}")
 
 
+@bench_app.command("lockstep")
+def bench_lockstep(
+    models: Annotated[Optional[list[str]], typer.Option("--model", "-m", help="Registry name or .gguf path (repeatable; "
+                                                        "default: SmolLM2 and Gemma 3).")] = None,
+    threads: Annotated[str, typer.Option("--threads", help="Thread counts, comma-separated.")] = "1,2",
+    runs: Annotated[int, typer.Option("--runs", help="Runs per figure (the median, min and max are reported).")] = 3,
+    manifests: Annotated[Path, typer.Option("--manifests", help="The folder of manifests to verify.")] = Path("manifests"),
+    out_path: Annotated[Path, typer.Option("--out", "-o", help="Results (JSON).")] = Path("bench/lockstep.json"),
+    markdown: Annotated[Path, typer.Option("--markdown", help="Markdown file whose lockstep section is replaced.")] = Path("docs/benchmarks.md"),
+) -> None:
+    """verify and batch one file at a time and in lockstep (--batch 1 and the default), as detinfer processes (same
+    results, checked). Use an otherwise idle machine."""
+    from ..bench.lockstep import run_lockstep, write_lockstep
+    from ..bench.suite import DEFAULT_MODELS, parse_counts
+
+    try:
+        result = run_lockstep(models or DEFAULT_MODELS, threads=parse_counts(threads, "--threads"), runs=runs, manifests=manifests,
+                              progress=lambda msg: err.print(f"[dim]{escape(msg)}[/]"))  # fmt: skip
+        write_lockstep(result, out_path, markdown)
+    except DetinferError as e:
+        fail(e)
+    out.print(f"wrote {escape(str(out_path))} and the lockstep section of {escape(str(markdown))}")
+
+
 @bench_app.command("serve")
 def bench_serve(
     models: Annotated[Optional[list[str]], typer.Option("--model", "-m", help="Registry name or .gguf path (repeatable; "

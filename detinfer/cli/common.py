@@ -87,6 +87,8 @@ KvOpt = Annotated[str, typer.Option("--kv-type", help="KV cache type: f32 or f16
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", help="Threads (default: the cores other processes leave free). Never changes a result.")]
 SpeculateOpt = Annotated[Optional[str], typer.Option(
     "--speculate", metavar="ngram", help="Speculative decoding: ngram drafts tokens from the context (prompt lookup), checked in one forward. Never changes a result.")]
+BatchOpt = Annotated[int, typer.Option(
+    "--batch", min=1, help="Sequences decoded together, one forward step for all (1: one at a time). Never changes a result.")]
 CacheBytesOpt = Annotated[int, typer.Option("--cache-bytes", help="Byte budget of the in-memory prefix cache (LRU).")]
 DEFAULT_CACHE_BYTES = 1 << 30
 ChatTemplateOpt = Annotated[Optional[str], typer.Option(
@@ -150,7 +152,7 @@ def streamer(quiet: bool) -> Callable[[Any], None]:
 
 
 def fan_out(verb: str, task, payloads: list, failed, *, ray: Optional[str], threads: Optional[int], actors: Optional[int],
-            on_result=None, rederive: bool = False) -> list:  # fmt: skip
+            on_result=None, rederive: bool = False, local=None) -> list:  # fmt: skip
     """Run ``task`` over ``payloads`` here or on Ray (integrations.distributed.fan_out) with progress on stderr;
     results in input order. Ctrl-C stops the run (exit 130) and keeps what was already written."""
     from ..integrations.batch import ItemProgress
@@ -177,7 +179,7 @@ def fan_out(verb: str, task, payloads: list, failed, *, ray: Optional[str], thre
         progress(i, result)
 
     try:
-        results = run_fan_out(task, payloads, done, failed, ray=ray, threads=threads or 1, actors=actors)
+        results = run_fan_out(task, payloads, done, failed, ray=ray, threads=threads or 1, actors=actors, local=local)
     except KeyboardInterrupt:
         progress.close(interrupted=True)
         raise typer.Exit(130)

@@ -17,12 +17,13 @@ from rich.table import Table
 
 from .. import api
 from ..errors import DetinferError, InputError, KVFileError
-from ..integrations.batch import read_records, reexecute_failed, reexecute_task
+from ..integrations.batch import reexecute_failed, reexecute_task
 from ..integrations.ci_report import github_annotations, write_junit
 from .common import (
     DEFAULT_CACHE_BYTES,
     ActorsOpt,
     App,
+    BatchOpt,
     CacheBytesOpt,
     ChatTemplateOpt,
     CtxOpt,
@@ -79,6 +80,7 @@ def verify(
     threads: ThreadsOpt = None,
     as_json: JsonOpt = False,
     junit_xml: Annotated[Optional[Path], typer.Option("--junit-xml", help="Also write a JUnit XML report (one test case per file).")] = None,
+    batch: BatchOpt = api.DEFAULT_BATCH,
     ray: RayOpt = None,
     actors: ActorsOpt = None,
     rederive: RederiveOpt = False,
@@ -101,12 +103,13 @@ def verify(
     except DetinferError as e:
         fail(e)
     if ray is not None or actors is not None:
-        outcomes = fan_out("verified", partial(reexecute_task, model=model), read_records(files), reexecute_failed,
+        outcomes = fan_out("verified", partial(reexecute_task, model=model), api.read_all(files), reexecute_failed,
                            ray=ray, threads=threads, actors=actors, rederive=rederive)  # fmt: skip
     else:
         with Progress(console=err, transient=True, disable=as_json) as progress:
             task = progress.add_task("verifying", total=len(files))
-            outcomes = api.verify(files, model=model, threads=threads, on_result=lambda r: progress.advance(task), rederive=rederive)
+            outcomes = api.verify(files, model=model, threads=threads, on_result=lambda r: progress.advance(task), rederive=rederive,
+                                  batch=batch)  # fmt: skip
     if junit_xml is not None:
         try:
             write_junit(outcomes, junit_xml)
@@ -142,6 +145,7 @@ def replay(
     then: Annotated[Optional[Path], typer.Option("--then", help="After --until, continue with this script's turns.")] = None,
     out_path: Annotated[Optional[Path], typer.Option("--out", "-o", help="Where --then writes the new session.")] = None,
     cache_bytes: CacheBytesOpt = DEFAULT_CACHE_BYTES,
+    batch: BatchOpt = api.DEFAULT_BATCH,
     as_json: JsonOpt = False,
     ray: RayOpt = None,
     actors: ActorsOpt = None,
@@ -165,11 +169,11 @@ def replay(
             return
         if ray is not None or actors is not None:
             options = api.ReplayOptions(use_cache=not no_cache, speculate=api.check_speculate(speculate))
-            outcomes = fan_out("replayed", partial(reexecute_task, model=model, options=options), read_records(api.collect_sessions(paths)),
+            outcomes = fan_out("replayed", partial(reexecute_task, model=model, options=options), api.read_all(api.collect_sessions(paths)),
                                reexecute_failed, ray=ray, threads=threads, actors=actors, rederive=rederive)  # fmt: skip
         else:
             outcomes = api.replay(paths, model=model, threads=threads, use_cache=not no_cache, kv_dir=kv_dir, until=until,
-                                  cache_bytes=cache_bytes, warn=warn, rederive=rederive, speculate=speculate)  # fmt: skip
+                                  cache_bytes=cache_bytes, warn=warn, rederive=rederive, speculate=speculate, batch=batch)  # fmt: skip
     except DetinferError as e:
         fail(e)
     rows = [row for r in outcomes for row in r.rows()]

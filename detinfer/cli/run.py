@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -12,9 +13,10 @@ from rich.markup import escape
 
 from .. import api
 from ..errors import DetinferError, InputError, MismatchError
-from ..integrations.batch import BAD_INPUT, batch_failed, batch_task, prepare_batch
+from ..integrations.batch import BAD_INPUT, batch_failed, batch_lockstep, batch_task, prepare_batch
 from .common import (
     ActorsOpt,
+    BatchOpt,
     ChatTemplateOpt,
     CtxOpt,
     KvOpt,
@@ -177,6 +179,7 @@ def batch(
     ctx: CtxOpt = 4096,
     kv_type: KvOpt = "f32",
     threads: ThreadsOpt = None,
+    lockstep: BatchOpt = api.DEFAULT_BATCH,
     ray: RayOpt = None,
     actors: ActorsOpt = None,
     rederive: RederiveOpt = False,
@@ -188,7 +191,7 @@ def batch(
     except DetinferError as e:
         fail(e)
     ran = fan_out("ran", batch_task, todo, batch_failed, ray=ray, threads=threads, actors=actors, on_result=lambda i, r: writer.write(r),
-                  rederive=rederive)  # fmt: skip
+                  rederive=rederive, local=partial(batch_lockstep, batch=lockstep))  # fmt: skip
     results = sorted(ran + skipped, key=lambda r: r.line)
     for r in results:
         if r.status == BAD_INPUT:

@@ -13,7 +13,6 @@ from ..errors import DetinferError
 from ..serve import listen
 from ..serve.app import create_app
 from ..serve.serving import ServerSettings
-from ..serve.worker import DEFAULT_BATCH
 from .common import (
     DEFAULT_CACHE_BYTES,
     CacheBytesOpt,
@@ -42,7 +41,7 @@ def serve(
     kv_type: KvOpt = "f32",
     threads: ThreadsOpt = None,
     speculate: SpeculateOpt = None,
-    batch: Annotated[int, typer.Option("--batch", min=1, help="Requests the decode worker steps together (continuous batching). Never changes a result.")] = DEFAULT_BATCH,
+    batch: Annotated[int, typer.Option("--batch", min=1, help="Requests the decode worker steps together (continuous batching). Never changes a result.")] = api.DEFAULT_BATCH,
     cache_bytes: CacheBytesOpt = DEFAULT_CACHE_BYTES,
     record_dir: Annotated[Optional[Path], typer.Option("--record", help="Record every request into session files in this directory.")] = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="DETINFER_API_KEY", show_envvar=True,

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from ..compute.lockstep import DEFAULT_BATCH, check_batch, lockstep
 from ..compute.sampling import Sampling
 from ..errors import DetinferError, InputError
 from ..fileio import atomic_write_text, parse_json, read_input_text
@@ -30,7 +32,7 @@ from ..model.registry import name_for_sha256
 from ..records.engines import EngineCache
 from ..records.manifest import load_manifest
 from ..records.outcome import Outcome, bad_input
-from ..records.reader import Record, read_record
+from ..records.reader import Record
 from ..records.verify import ReplayOptions, reexecute
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # a file name in DIR: no separators, no "..", no hidden files
@@ -180,7 +182,7 @@ def batch_manifest(engine, item: BatchItem) -> Any:
     (threads 0, no timings, no CPU; the registry name or the file's path as model_path). Raises DetinferError for bad input."""
     from ..compute.generate import check_prompt
     from ..model.chat import ChatTemplate
-    from ..model.registry import DEFAULT_MODEL, REGISTRY
+    from ..model.registry import REGISTRY
     from ..records.run import build_prompt, execute
 
     spec = item.spec
@@ -189,7 +191,7 @@ def batch_manifest(engine, item: BatchItem) -> Any:
     prompt = build_prompt(engine, text=spec.prompt, messages=messages, chat=spec.chat, template=template)
     check_prompt(engine, prompt.token_ids)
     manifest = execute(engine, prompt, spec.sampling, template=template)
-    model = spec.model or item.model or DEFAULT_MODEL
+    model = _model(item)
     where = model if model in REGISTRY else str(engine.model_file.path)  # a registry path differs between nodes
     informative = manifest.informative.model_copy(update={"threads": 0, "timings": {}, "cpu": "", "model_path": where})
     return manifest.model_copy(update={"informative": informative})
@@ -197,20 +199,65 @@ def batch_manifest(engine, item: BatchItem) -> Any:
 
 def batch_task(state: WorkerState, item: BatchItem, *, pull: bool = False) -> BatchResult:
     """Run one batch item; bad input (a bad line, prompt, model or sampling value) is a BAD_INPUT result."""
-    from ..model.registry import DEFAULT_MODEL
-    from ..records.manifest import canonical_json
-
     t0 = time.perf_counter()
     if item.spec is None:
         return BatchResult(item.line, item.id, BAD_INPUT, message=item.error or "")
     try:
-        model = item.spec.model or item.model or DEFAULT_MODEL
+        model = _model(item)
         _ensure(model, pull)
-        manifest = batch_manifest(state.engines(rederive=item.rederive).load(model, item.n_ctx, item.kv_type), item)
+        engine = state.engines(rederive=item.rederive).load(model, item.n_ctx, item.kv_type)
+    except DetinferError as e:
+        return BatchResult(item.line, item.id, BAD_INPUT, message=f"{item.id}: {e}", seconds=time.perf_counter() - t0)
+    return _batch_run(item, engine, t0)
+
+
+def _model(item: BatchItem) -> str:
+    from ..model.registry import DEFAULT_MODEL
+
+    return item.spec.model or item.model or DEFAULT_MODEL
+
+
+def _batch_run(item: BatchItem, engine, t0: float | None = None) -> BatchResult:
+    """One (valid) batch line on ``engine``, or a lockstep view of it."""
+    from ..records.manifest import canonical_json
+
+    t0 = time.perf_counter() if t0 is None else t0
+    try:
+        manifest = batch_manifest(engine, item)
     except DetinferError as e:
         return BatchResult(item.line, item.id, BAD_INPUT, message=f"{item.id}: {e}", seconds=time.perf_counter() - t0)
     return BatchResult(item.line, item.id, WRITTEN, tokens=len(manifest.output.token_ids), seconds=time.perf_counter() - t0,
                        manifest=canonical_json(manifest.sealed().model_dump(mode="json")))
+
+
+def batch_lockstep(items: Sequence[BatchItem], on_result: Callable[[int, BatchResult], None], *,
+                   batch: int = DEFAULT_BATCH) -> list[BatchResult]:  # fmt: skip
+    """:func:`batch_task` over every item in this process, in lockstep: the lines of one model (and n_ctx, KV type)
+    ``batch`` per forward step (compute/lockstep.py), the same manifests as one by one. Results in item order;
+    ``on_result(index, result)`` as each finishes."""
+    check_batch(batch)
+    state, results = WorkerState(), [None] * len(items)
+
+    def done(i: int, result: BatchResult) -> None:
+        results[i] = result
+        on_result(i, result)
+
+    groups: dict[tuple, list[int]] = {}
+    for i, item in enumerate(items):
+        if item.spec is None:
+            done(i, batch_task(state, item))
+        else:
+            groups.setdefault((_model(item), item.n_ctx, item.kv_type, item.rederive), []).append(i)
+    for (model, n_ctx, kv_type, rederive), indices in groups.items():
+        try:
+            engine = state.engines(rederive=rederive).load(model, n_ctx, kv_type)
+        except DetinferError:  # each line gets the error with its own id
+            for i in indices:
+                done(i, batch_task(state, items[i]))
+            continue
+        lockstep(engine, [partial(_batch_run, items[i]) for i in indices], batch=batch,
+                 on_result=lambda k, result: done(indices[k], result))  # fmt: skip
+    return results
 
 
 class BatchWriter:
@@ -249,18 +296,6 @@ class BatchWriter:
 
 
 # ------------------------------------------------------------------------------------------ verify and replay
-
-
-def read_records(paths: Sequence[Path]) -> list[Record | Outcome]:
-    """The records of ``paths``, each read and parsed once (on the driver: workers get the parsed records), or the
-    bad-input outcome of a file that cannot be read."""
-    items: list[Record | Outcome] = []
-    for path in paths:
-        try:
-            items.append(read_record(path))
-        except DetinferError as e:
-            items.append(bad_input(str(path), str(e)))
-    return items
 
 
 def reexecute_task(state: WorkerState, item: Record | Outcome, *, model: str | None = None,

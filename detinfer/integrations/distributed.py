@@ -179,9 +179,11 @@ def check_rederive(rederive: bool, ray: str | None) -> None:
 
 
 def fan_out(task: Callable[..., R], payloads: Sequence[Any], on_result: Callable[[int, R], None], failed: Callable[[Any, str], R],
-            *, ray: str | None = None, threads: int = 1, actors: int | None = None) -> list[R]:  # fmt: skip
-    """``task`` over ``payloads`` in this process (``ray`` None) or on the Ray cluster at ``ray``, where each worker
-    may pull a missing registry model (``pull=True``). Results in payload order; see :func:`run_on_ray`."""
+            *, ray: str | None = None, threads: int = 1, actors: int | None = None,
+            local: Callable[[Sequence[Any], Callable[[int, R], None]], list[R]] | None = None) -> list[R]:  # fmt: skip
+    """``task`` over ``payloads`` in this process (``ray`` None: ``local(payloads, on_result)`` if given, else one after
+    another) or on the Ray cluster at ``ray``, where each worker may pull a missing registry model (``pull=True``).
+    Results in payload order; see :func:`run_on_ray`."""
     if ray is None or not payloads:
-        return run_local(task, payloads, on_result)
+        return (local or partial(run_local, task))(payloads, on_result)
     return run_on_ray(partial(task, pull=True), payloads, on_result, failed, address=ray, threads=threads, actors=actors)

@@ -13,14 +13,17 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import numba
 
 from ..compute.engine import DEFAULT_CHUNK, Engine
 from ..compute.generate import GenerationResult, Step, generate
+from ..compute.lockstep import DEFAULT_BATCH, check_batch, lockstep
 from ..compute.numerics import NUMERICS
+from ..compute.prefix_cache import PrefixCache
 from ..compute.sampling import Sampling
 from ..errors import DetinferError, ManifestError
 from ..model.chat import BUILTIN_TEMPLATES, ChatTemplate
@@ -122,10 +125,10 @@ def _turn_outcome(out: Outcome, engine: Engine, rows: list[dict], expected: list
     return out
 
 
-def _session(record: Record, engine: Engine, options: ReplayOptions, engines: EngineCache) -> Outcome:
+def _session(record: Record, engine: Engine, options: ReplayOptions, prefix_cache: PrefixCache) -> Outcome:
     body = record.body
     results = replay_turns(engine, body, use_cache=options.use_cache, kv_dir=options.kv_dir, until=options.until,
-                           warn=options.warn, prefix_cache=engines.prefix_cache(engine) if options.use_cache else None,
+                           warn=options.warn, prefix_cache=prefix_cache if options.use_cache else None,
                            speculate=options.speculate)  # fmt: skip
     rows, expected, actual = [], [], []
     for i, ((got, diffs, step), want) in enumerate(zip(results, body.turns), start=1):
@@ -172,43 +175,98 @@ def _session_snapshot(record: Record, engine: Engine, _: ReplayOptions) -> Outco
     return _turn_outcome(Outcome(str(record.path), MATCH, threads=numba.get_num_threads()), engine, rows, expected, actual)
 
 
-def reexecute(record: Record, engines: EngineCache, options: ReplayOptions = ReplayOptions()) -> Outcome:
-    """Run ``record`` again on its model (from ``engines``) and compare; bad input (a missing model, a record that does
-    not bind) is the outcome's status, never raised."""
+_KINDS = {"manifest": _manifest, "golden": _golden, "session-snapshot": _session_snapshot}
+
+
+def _reexecute_on(record: Record, engine: Engine, options: ReplayOptions, prefix_cache: PrefixCache) -> Outcome:
+    """:func:`reexecute` on ``engine`` (the record's, or a lockstep view of it), sessions reusing ``prefix_cache``."""
     t0 = time.perf_counter()
     try:
-        engine = engines.for_record(record)
         if record.kind == "session":
-            out = _session(record, engine, options, engines)
+            out = _session(record, engine, options, prefix_cache)
         else:
-            out = {"manifest": _manifest, "golden": _golden, "session-snapshot": _session_snapshot}[record.kind](record, engine, options)
+            out = _KINDS[record.kind](record, engine, options)
     except DetinferError as e:
         return bad_input(str(record.path), str(e), time.perf_counter() - t0)
     out.kind, out.model, out.seconds = record.kind, out.model or engine.model_file.path.name, time.perf_counter() - t0
     return out
 
 
-def reexecute_file(path: str | os.PathLike, engines: EngineCache, options: ReplayOptions = ReplayOptions()) -> Outcome:
-    """:func:`reexecute` of the record at ``path``, read once; a file that cannot be read is a bad-input outcome."""
+def reexecute(record: Record, engines: EngineCache, options: ReplayOptions = ReplayOptions()) -> Outcome:
+    """Run ``record`` again on its model (from ``engines``) and compare; bad input (a missing model, a record that does
+    not bind) is the outcome's status, never raised."""
     try:
-        record = read_record(path)
+        engine = engines.for_record(record)
     except DetinferError as e:
-        return bad_input(str(path), str(e))
-    return reexecute(record, engines, options)
+        return bad_input(str(record.path), str(e))
+    return _reexecute_on(record, engine, options, engines.prefix_cache(engine))
 
 
-def verify(paths: Iterable[str | Path], *, model: str | None = None, options: ReplayOptions = ReplayOptions(),
-           on_result: Callable[[Outcome], None] | None = None, rederive: bool = False) -> list[Outcome]:  # fmt: skip
-    """Re-execute every record under ``paths`` (files, or folders searched for ``*.json``): one outcome per file, in
-    order. ``model`` overrides the recorded model's file; ``rederive`` loads every model from its GGUF alone
-    (:class:`EngineCache`). Raises ManifestError for a path that does not exist."""
-    engines = EngineCache(model, rederive=rederive)
-    outcomes = []
-    for path in collect(paths):
-        outcomes.append(reexecute_file(path, engines, options))
-        if on_result:
-            on_result(outcomes[-1])
+def reexecute_all(items: Sequence[Record | Outcome], engines: EngineCache, options: ReplayOptions = ReplayOptions(), *,
+                  batch: int = DEFAULT_BATCH, on_result: Callable[[Outcome], None] | None = None) -> list[Outcome]:  # fmt: skip
+    """:func:`reexecute` of every record (an Outcome: a file that could not be read, kept as it is), one outcome per
+    item in order. The records of one model are re-executed in lockstep, ``batch`` of them per forward step
+    (compute/lockstep.py; 1: one after another): the same outcomes either way, except for the timings and a session's
+    ``reused_tokens`` (sessions run beside each other cannot reuse what the others have not computed yet).
+    ``on_result`` is called with each outcome as it is ready (in finishing order). InputError for a ``batch`` below 1."""
+    check_batch(batch)
+    outcomes: list[Outcome | None] = [None] * len(items)
+
+    def done(i: int, outcome: Outcome) -> None:
+        outcomes[i] = outcome
+        if on_result is not None:
+            on_result(outcome)
+
+    if batch == 1:
+        for i, item in enumerate(items):
+            done(i, item if isinstance(item, Outcome) else reexecute(item, engines, options))
+        return outcomes
+    groups: dict[tuple, list[int]] = {}  # records by the engine they run on (EngineCache.for_record's key)
+    for i, item in enumerate(items):
+        if isinstance(item, Outcome):
+            done(i, item)
+        else:
+            groups.setdefault((item.model_sha256, item.n_ctx, item.kv_type), []).append(i)
+    for indices in groups.values():
+        runs = []
+        for i in indices:
+            try:
+                runs.append((i, engines.for_record(items[i])))
+            except DetinferError as e:
+                done(i, bad_input(str(items[i].path), str(e)))
+        if runs:
+            engine = runs[0][1]
+            tasks = [partial(_reexecute_on, items[i], options=options, prefix_cache=engines.prefix_cache(engine)) for i, _ in runs]
+            lockstep(engine, tasks, batch=batch, on_result=lambda k, outcome: done(runs[k][0], outcome))
     return outcomes
 
 
-__all__ = ["BAD_INPUT", "MATCH", "MISMATCH", "Outcome", "ReplayOptions", "reexecute", "reexecute_file", "verify"]
+def read_all(paths: Iterable[str | Path]) -> list[Record | Outcome]:
+    """The record of every path, read once, or the bad-input outcome of a file that cannot be read."""
+    items: list[Record | Outcome] = []
+    for path in paths:
+        try:
+            items.append(read_record(path))
+        except DetinferError as e:
+            items.append(bad_input(str(path), str(e)))
+    return items
+
+
+def reexecute_file(path: str | os.PathLike, engines: EngineCache, options: ReplayOptions = ReplayOptions()) -> Outcome:
+    """:func:`reexecute` of the record at ``path``, read once; a file that cannot be read is a bad-input outcome."""
+    return reexecute_all(read_all([path]), engines, options, batch=1)[0]
+
+
+def verify(paths: Iterable[str | Path], *, model: str | None = None, options: ReplayOptions = ReplayOptions(),
+           on_result: Callable[[Outcome], None] | None = None, rederive: bool = False,
+           batch: int = DEFAULT_BATCH) -> list[Outcome]:  # fmt: skip
+    """Re-execute every record under ``paths`` (files, or folders searched for ``*.json``): one outcome per file, in
+    order, ``batch`` records of a model per forward step (:func:`reexecute_all`). ``model`` overrides the recorded
+    model's file; ``rederive`` loads every model from its GGUF alone (:class:`EngineCache`). Raises ManifestError for
+    a path that does not exist, InputError for a ``batch`` below 1."""
+    check_batch(batch)
+    return reexecute_all(read_all(collect(paths)), EngineCache(model, rederive=rederive), options, batch=batch, on_result=on_result)
+
+
+__all__ = ["BAD_INPUT", "MATCH", "MISMATCH", "Outcome", "ReplayOptions", "read_all", "reexecute", "reexecute_all",
+           "reexecute_file", "verify"]

@@ -37,6 +37,7 @@ from ..compute.generate import (
     Step,
     check_prompt,
 )
+from ..compute.lockstep import DEFAULT_BATCH
 from ..compute.numerics import NUMERICS
 from ..compute.sampler import RNG_PERSON, WEIGHT_BITS
 from ..compute.speculate import check_speculate
@@ -48,7 +49,7 @@ from ..records.kv_dir import KVDir
 from ..records.manifest import tokens_sha256
 from ..version import __version__
 from .protocol import BODY_TIMEOUT_S, MAX_BODY_BYTES, ApiError, SamplingFields, Tool
-from .worker import DEFAULT_BATCH, Job, Worker
+from .worker import Job, Worker
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from ..compute.constrain import Constraint
 from ..compute.engine import DEFAULT_CHUNK, Engine, set_threads
 from ..compute.generate import Decoding, GenerationResult
 from ..compute.kvcache import KVCache, common_prefix
+from ..compute.lockstep import DEFAULT_BATCH
 from ..compute.prefix_cache import PrefixCache
 from ..compute.sampling import Sampling
 from ..errors import DetinferError
@@ -34,8 +35,6 @@ from ..records.kv_dir import KVDir
 from ..records.recorder import Exchange, Recorder
 from .protocol import ApiError
 from .schemas import ArgumentsValidator
-
-DEFAULT_BATCH = 8  # sequences per step: docs/benchmarks.md, "Server under concurrent load"
 
 
 @dataclass(eq=False)  # a job is itself (hashed by identity: Server.active)
