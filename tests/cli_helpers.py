@@ -1,12 +1,16 @@
-"""Running the CLI in-process against an isolated $DETINFER_HOME (shared by the CLI test modules)."""
+"""Running the CLI in-process against an isolated $DETINFER_HOME, and a real server in a subprocess (shared by the
+CLI and server test modules)."""
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 from typer.testing import CliRunner
 
 from detinfer.cli import app
@@ -53,3 +57,33 @@ def resealed(data: dict, path: Path) -> Path:
     """``data`` written as a manifest whose section hashes were recomputed (what anyone can do)."""
     write_manifest(RunManifest.model_validate(data), path)
     return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(*args, env: dict[str, str] | None = None, log: Path | None = None, timeout: float = 300) -> tuple[subprocess.Popen, str]:
+    """``detinfer serve ARGS`` in a subprocess on a free loopback port, once /health answers: (process, base URL).
+    Its stderr goes to ``log`` (else a pipe); a server that exits, or does not answer within ``timeout`` seconds,
+    fails the test with the end of its stderr."""
+    port = free_port()
+    stderr = log.open("w") if log is not None else subprocess.PIPE
+    proc = subprocess.Popen([sys.executable, "-m", "detinfer.cli", "serve", "--port", str(port), *map(str, args)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=stderr, text=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait(timeout=30)
+            tail = log.read_text() if log is not None else proc.stderr.read()
+            raise AssertionError("detinfer serve did not start: " + tail[-2000:])
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)

@@ -13,14 +13,12 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
+from cli_helpers import start_server
 
 from detinfer.records.session import SessionRecord, session_json
 
@@ -70,23 +68,8 @@ def record_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def base_url(model_path, record_dir):
     """A real ``detinfer serve`` process on a free loopback port, stopped after the module."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "detinfer.cli", "serve", "--model", str(model_path), "--port", str(port), "--threads", "1",
-           "--ctx", "2048", "--chat-template", "chatml-tools", "--record", str(record_dir), "--alias", "smollm2"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        assert proc.poll() is None, proc.stderr.read()[-2000:]
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "detinfer serve did not start"
-        time.sleep(0.5)
+    proc, url = start_server("--model", model_path, "--threads", "1", "--ctx", "2048", "--chat-template", "chatml-tools",
+                             "--record", record_dir, "--alias", "smollm2")  # fmt: skip
     yield url + "/v1"
     proc.terminate()
     proc.wait(timeout=60)

@@ -4,13 +4,10 @@ model, checked against the committed golden streams, the CLI's manifests and Ope
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from cli_helpers import start_server
 from openai import OpenAI
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
@@ -125,21 +122,9 @@ def test_bad_input_is_a_typed_one_line_error(llm: detinfer.LLM, call, error, nee
 def test_the_served_model_answers_as_the_api(llm: detinfer.LLM, model_path: Path):
     """`detinfer serve` loads its model through detinfer.load: a real server on loopback, asked with OpenAI's client,
     gives the API's tokens (same text and usage)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "detinfer.cli", "serve", "--model", str(model_path), "--port", str(port),
-                             "--ctx", "512", "--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc, url = start_server("--model", model_path, "--ctx", "512", "--threads", "1", timeout=120)
     try:
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                client.models.list()
-                break
-            except Exception:
-                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() is not None else "timeout"
-                time.sleep(0.5)
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         messages = [{"role": "user", "content": "Name three primary colors."}]
         reply = client.chat.completions.create(model=model_path.name, messages=messages, temperature=0.7, top_p=0.9, seed=42, max_tokens=12)
         ours = ChatCompletion.model_validate(llm.chat(messages, temperature=0.7, top_p=0.9, seed=42, max_tokens=12).to_openai())

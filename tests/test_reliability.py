@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cli_helpers import bad_input_row, cli, detinfer, one_error_line, resealed
+from cli_helpers import bad_input_row, cli, detinfer, one_error_line, resealed, start_server
 from fastapi.testclient import TestClient
 from gguf_factory import CHATML
 
@@ -507,31 +507,12 @@ def test_api_key_is_compared_as_utf8_bytes(tiny_engine: Engine):
         assert client.get("/v1/models").status_code == 401
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(home: Path, model: Path, *extra) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = dict(os.environ, DETINFER_HOME=str(home))
-    proc = subprocess.Popen([sys.executable, "-m", "detinfer.cli", "serve", "--model", str(model), "--port", str(port),
-                             "--threads", "1", "--alias", "m", *map(str, extra)], env=env, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise AssertionError("server did not start: " + proc.stderr.read())
+def serve(home: Path, model: Path, *extra) -> tuple[subprocess.Popen, str]:
+    return start_server("--model", model, "--threads", "1", "--alias", "m", *extra, env=dict(os.environ, DETINFER_HOME=str(home)), timeout=180)
 
 
 def test_slow_and_aborted_connections_are_dropped_quietly(home: Path, tiny_chat: Path):
-    proc, url = start_server(home, tiny_chat, "--ctx", "128", "--read-timeout", "1")
+    proc, url = serve(home, tiny_chat, "--ctx", "128", "--read-timeout", "1")
     port = int(url.rsplit(":", 1)[1])
     try:
         slow = socket.create_connection(("127.0.0.1", port))
@@ -561,7 +542,7 @@ def test_sigterm_stops_the_server_within_its_drain_time(home: Path, model_path: 
     --drain plus a margin for the render budget and process exit, instead of waiting for either."""
     loop = tmp_path / "loop.jinja"
     loop.write_text(NESTED_STRING_LOOPS)
-    proc, url = start_server(home, model_path, "--ctx", "2048", "--drain", "2", "--chat-template", loop)
+    proc, url = serve(home, model_path, "--ctx", "2048", "--drain", "2", "--chat-template", loop)
     try:
         body = {"model": "m", "prompt": "1, 2, 3, 4,", "max_tokens": 2000, "temperature": 0, "stream": True}
         got_chunk, finished = threading.Event(), threading.Event()

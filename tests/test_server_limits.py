@@ -12,13 +12,13 @@ import json
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+from cli_helpers import start_server
 
 from detinfer.compute.generate import GenerationResult
 from detinfer.model.tool_parsers import FORMATS
@@ -32,25 +32,10 @@ LONG = {"model": MODEL, "messages": [{"role": "user", "content": "Count from one
 
 
 def _start(tmp_path: Path, name: str, batch: int) -> tuple[subprocess.Popen, str, Path]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     log = tmp_path / f"{name}.stderr"
-    cmd = [sys.executable, "-m", "detinfer.cli", "serve", "--port", str(port), "--threads", "1", "--ctx", "2048",
-           "--chat-template", "chatml-tools", "--drain", str(DRAIN_S), "--send-timeout", str(SEND_TIMEOUT_S),
-           "--read-timeout", str(READ_TIMEOUT_S), "--batch", str(batch)]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("w"))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        assert proc.poll() is None, log.read_text()[-2000:]
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url, log
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.2)
+    proc, url = start_server("--threads", "1", "--ctx", "2048", "--chat-template", "chatml-tools", "--drain", DRAIN_S,
+                             "--send-timeout", SEND_TIMEOUT_S, "--read-timeout", READ_TIMEOUT_S, "--batch", batch, log=log)  # fmt: skip
+    return proc, url, log
 
 
 @pytest.fixture(scope="module")
