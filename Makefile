@@ -130,11 +130,11 @@ bench-busy: pull $(PEERS_DIR)/llama-cpp-host/BUILD $(VENV)/.bench-installed
 	$(BIN)/detinfer bench busy --peer --peers-dir $(PEERS_DIR) --out bench/busy.json --markdown docs/benchmarks.md
 
 # Decode with and without --speculate ngram, on a task that quotes a tool result from its context and on free text,
-# both models at 1 and 2 threads, every run checked byte for byte (bench/speculate.py), into bench/speculate.json and
-# a section of docs/benchmarks.md; about 4 min.
-bench-speculate: pull
+# both models at 1 and 2 threads, every run checked byte for byte (bench/speculate.py), beside llama.cpp's own prompt
+# lookup on the same prompts (the host peer), into bench/speculate.json and a section of docs/benchmarks.md; about 8 min.
+bench-speculate: pull $(PEERS_DIR)/llama-cpp-host/BUILD $(VENV)/.bench-installed
 	$(BIN)/detinfer pull gemma3-270m-q4_k_m
-	$(BIN)/detinfer bench speculate --out bench/speculate.json --markdown docs/benchmarks.md
+	$(BIN)/detinfer bench speculate --peer --peers-dir $(PEERS_DIR) --out bench/speculate.json --markdown docs/benchmarks.md
 
 # A real `detinfer serve` under 1, 2, 4 and 8 concurrent streaming clients at --batch 1, 4 and 8, both
 # models at 1 and 2 threads, every response checked against the same request alone (bench/serve.py), into bench/serve.json

@@ -175,19 +175,56 @@ def session_figures(model: str, threads: int, runs: int) -> SessionFigures:
     )
 
 
+def lookup_figures(model: str, threads: int, runs: int, prompts: dict[str, list[int]], max_tokens: int) -> dict:
+    """llama.cpp's own speculation: llama-cpp-python's prompt lookup (``LlamaPromptLookupDecoding`` as the draft
+    model) against its plain decoding, greedy, on the same prompt token ids. Decode tok/s: completion tokens over
+    the completion's wall time minus a prefill of the prompt alone (median of ``runs`` after one warm-up), and
+    whether lookup gave the plain run's text."""
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    path = str(resolve_model(model))
+    common = {"model_path": path, "n_ctx": 1024, "n_threads": threads, "n_threads_batch": threads, "verbose": False}
+    arms = {"plain": Llama(**common), "lookup": Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10))}
+    out = {}
+    for task, ids in prompts.items():
+        rates: dict[str, list[float]] = {arm: [] for arm in arms}
+        texts: dict[str, str] = {}
+        for run in range(runs + 1):
+            for arm, llm in arms.items():
+                llm.reset()
+                t0 = time.perf_counter()
+                llm.eval(ids)
+                prefill = time.perf_counter() - t0
+                llm.reset()
+                t0 = time.perf_counter()
+                done = llm.create_completion(ids, max_tokens=max_tokens, temperature=0.0)
+                seconds = time.perf_counter() - t0 - prefill
+                texts[arm] = done["choices"][0]["text"]
+                if run:
+                    rates[arm].append(done["usage"]["completion_tokens"] / seconds)
+        out[task] = {"tokens": len(arms["plain"].tokenize(texts["plain"].encode("utf-8"), add_bos=False, special=True)),
+                     "same_text": texts["lookup"] == texts["plain"], **{arm: stats(r).model_dump() for arm, r in rates.items()}}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Worker entry points of the suite (run by :func:`run_suite` in subprocesses)."""
     ap = argparse.ArgumentParser(description="detinfer benchmark workers (use `detinfer bench`)")
-    ap.add_argument("mode", choices=["worker", "session"])
+    ap.add_argument("mode", choices=["worker", "session", "lookup"])
     ap.add_argument("--engine", choices=["detinfer", "llama-cpp"], default="detinfer")
     ap.add_argument("--model", required=True)
     ap.add_argument("--threads", type=int, default=1, help="0: detinfer's default (threads chosen from the free cores)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--ids", choices=["text", "random"], default="text")
     ap.add_argument("--tokens", type=int, default=max(SUITE_CELLS[0]))
+    ap.add_argument("--prompts", type=Path, help="lookup: a JSON file of {task: prompt token ids}")
     args = ap.parse_args(argv)
     if args.mode == "worker":
         return _serve_worker(args.engine, args.model, args.threads, args.ids, args.tokens)
+    if args.mode == "lookup":
+        print(json.dumps(lookup_figures(args.model, args.threads, args.runs, json.loads(args.prompts.read_text()), args.tokens)))
+        return 0
     print(session_figures(args.model, args.threads, args.runs).model_dump_json())
     return 0
 

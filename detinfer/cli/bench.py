@@ -174,6 +174,8 @@ def bench_speculate(
                                                         "default: SmolLM2 and Gemma 3).")] = None,
     threads: Annotated[str, typer.Option("--threads", help="Thread counts, comma-separated.")] = "1,2",
     runs: Annotated[int, typer.Option("--runs", help="Runs per figure (the median, min and max are reported).")] = 3,
+    peer: Annotated[bool, flag("--peer", help="Also llama.cpp's prompt lookup vs its plain decoding (the host build in --peers-dir).")] = False,
+    peers_dir: Annotated[Path, typer.Option("--peers-dir", help="Where `make bench-peers` put llama-cpp-python.")] = Path(".bench"),
     out_path: Annotated[Path, typer.Option("--out", "-o", help="Results (JSON).")] = Path("bench/speculate.json"),
     markdown: Annotated[Path, typer.Option("--markdown", help="Markdown file whose speculation section is replaced.")] = Path("docs/benchmarks.md"),
 ) -> None:
@@ -183,8 +185,8 @@ def bench_speculate(
     from ..bench.suite import DEFAULT_MODELS, parse_counts
 
     try:
-        result = run_speculate(models or DEFAULT_MODELS, threads=parse_counts(threads, "--threads"), runs=runs,
-                               progress=lambda msg: err.print(f"[dim]{escape(msg)}[/]"))  # fmt: skip
+        result = run_speculate(models or DEFAULT_MODELS, threads=parse_counts(threads, "--threads"), runs=runs, peer=peer,
+                               peers_dir=peers_dir, progress=lambda msg: err.print(f"[dim]{escape(msg)}[/]"))  # fmt: skip
         write_speculate(result, out_path, markdown)
     except DetinferError as e:
         fail(e)
