@@ -95,6 +95,13 @@ class TinyConfig:
     rms_norm_eps: float = 1e-5
     head_dim: int | None = None  # written as attention.key_length / value_length; None: n_embd // n_head, unwritten
     sliding_window: int = 0  # written as attention.sliding_window when > 0
+    # qwen35 (hybrid) only: layer il is Gated DeltaNet iff (il + 1) % interval != 0; the recurrence's heads and widths
+    interval: int = 0
+    n_rot: int = 0  # rope.dimension_count (0: head_dim)
+    ssm_conv_kernel: int = 4
+    ssm_n_k_head: int = 2
+    ssm_n_v_head: int = 2
+    ssm_head: int = 16
 
     @property
     def q_width(self) -> int:
@@ -122,7 +129,25 @@ TINY_CONFIGS: dict[str, TinyConfig] = {
     "qwen2": TinyConfig(rope_freq_base=1e6, rms_norm_eps=1e-6),
     "qwen3": TinyConfig(head_dim=32, rope_freq_base=1e6, rms_norm_eps=1e-6),
     "gemma3": TinyConfig(n_layer=7, n_head_kv=1, head_dim=32, rope_freq_base=1e6, rms_norm_eps=1e-6, sliding_window=5),
+    # layers 0 and 2 Gated DeltaNet, 1 and 3 gated attention; RoPE on 16 of 32 dims per head
+    "qwen35": TinyConfig(n_layer=4, head_dim=32, rope_freq_base=1e7, rms_norm_eps=1e-6, interval=2, n_rot=16),
 }
+
+
+def _qwen35_layer(cfg: TinyConfig, i: int) -> dict[str, tuple[int, ...]]:
+    """Layer i's mixer tensors in a qwen35 file (llama.cpp src/models/qwen35.cpp; gguf-py MODEL_TENSORS[QWEN35])."""
+    p, head_dim = f"blk.{i}.", cfg.head_dim or cfg.n_embd // cfg.n_head
+    if (i + 1) % cfg.interval == 0:  # gated full attention: attn_q holds [q_h | gate_h] per head
+        kv = cfg.n_head_kv * head_dim
+        return {p + "attn_q.weight": (2 * cfg.q_width, cfg.n_embd), p + "attn_k.weight": (kv, cfg.n_embd),
+                p + "attn_v.weight": (kv, cfg.n_embd), p + "attn_output.weight": (cfg.n_embd, cfg.q_width),
+                p + "attn_q_norm.weight": (head_dim,), p + "attn_k_norm.weight": (head_dim,)}  # fmt: skip
+    inner, n_v = cfg.ssm_n_v_head * cfg.ssm_head, cfg.ssm_n_v_head
+    conv = 2 * cfg.ssm_n_k_head * cfg.ssm_head + inner
+    return {p + "attn_qkv.weight": (conv, cfg.n_embd), p + "attn_gate.weight": (inner, cfg.n_embd),
+            p + "ssm_beta.weight": (n_v, cfg.n_embd), p + "ssm_alpha.weight": (n_v, cfg.n_embd),
+            p + "ssm_conv1d.weight": (conv, cfg.ssm_conv_kernel), p + "ssm_dt.bias": (n_v,), p + "ssm_a": (n_v,),
+            p + "ssm_norm.weight": (cfg.ssm_head,), p + "ssm_out.weight": (cfg.n_embd, inner)}  # fmt: skip
 
 
 def tensor_shapes(cfg: TinyConfig, n_vocab: int, *, tied: bool = True, architecture: str = "llama") -> dict[str, tuple[int, ...]]:
@@ -136,6 +161,11 @@ def tensor_shapes(cfg: TinyConfig, n_vocab: int, *, tied: bool = True, architect
         shapes["output.weight"] = (n_vocab, cfg.n_embd)
     for i in range(cfg.n_layer):
         p = f"blk.{i}."
+        if architecture == "qwen35":  # post_attention_norm is its pre-FFN norm
+            shapes.update({p + "attn_norm.weight": (cfg.n_embd,), **_qwen35_layer(cfg, i), p + "post_attention_norm.weight": (cfg.n_embd,),
+                           p + "ffn_gate.weight": (cfg.n_ff, cfg.n_embd), p + "ffn_up.weight": (cfg.n_ff, cfg.n_embd),
+                           p + "ffn_down.weight": (cfg.n_embd, cfg.n_ff)})  # fmt: skip
+            continue
         shapes.update(
             {
                 p + "attn_norm.weight": (cfg.n_embd,),
@@ -225,6 +255,16 @@ def write_tiny_gguf(
         metadata[f"{arch}.attention.value_length"] = (config.head_dim, GGUFValueType.UINT32)
     if config.sliding_window:
         metadata[f"{arch}.attention.sliding_window"] = (config.sliding_window, GGUFValueType.UINT32)
+    if config.n_rot:
+        metadata[f"{arch}.rope.dimension_count"] = (config.n_rot, GGUFValueType.UINT32)
+    if config.interval:  # llama.cpp's qwen35 keys; M-RoPE sections whose every rotated pair takes the position row
+        metadata.update({f"{arch}.full_attention_interval": (config.interval, GGUFValueType.UINT32),
+                         f"{arch}.rope.dimension_sections": ([3, 3, 2, 0], GGUFValueType.ARRAY),
+                         f"{arch}.ssm.conv_kernel": (config.ssm_conv_kernel, GGUFValueType.UINT32),
+                         f"{arch}.ssm.state_size": (config.ssm_head, GGUFValueType.UINT32),
+                         f"{arch}.ssm.group_count": (config.ssm_n_k_head, GGUFValueType.UINT32),
+                         f"{arch}.ssm.time_step_rank": (config.ssm_n_v_head, GGUFValueType.UINT32),
+                         f"{arch}.ssm.inner_size": (config.ssm_n_v_head * config.ssm_head, GGUFValueType.UINT32)})  # fmt: skip
     if chat_template is not None:
         metadata["tokenizer.chat_template"] = (chat_template, GGUFValueType.STRING)
     metadata.update(extra_metadata or {})
@@ -244,9 +284,11 @@ def write_tiny_gguf(
         if name in drop_tensors:
             continue
         norm = name.endswith("norm.weight")
-        type_name = (types or {}).get(name, "F32" if vector else matrix_type)
+        type_name = (types or {}).get(name, "F32" if vector or name.endswith("ssm_conv1d.weight") else matrix_type)
         qtype = GGMLQuantizationType[type_name]
         data = _tensor_data(shape, qtype, rng, norm)
+        if name.endswith(".ssm_a"):  # stored as -exp(A_log) by llama.cpp's converter: a decay, always negative
+            data = -np.exp(data)
         writer.add_tensor(name, data, raw_dtype=None if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) else qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

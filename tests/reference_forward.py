@@ -1,4 +1,4 @@
-"""Slow, obviously-correct float64 numpy forward pass of GGUF llama / qwen2 / qwen3 / gemma3 models: the oracle for the engine.
+"""Slow, obviously-correct float64 numpy forward pass of GGUF llama / qwen2 / qwen3 / gemma3 / qwen35 models: the oracle for the engine.
 
 It shares nothing with the engine but the file reader: weights are dequantized by gguf-py
 (``gguf.quants.dequantize``), hyperparameters are read straight from the ``{arch}.*`` metadata keys, the
@@ -38,6 +38,10 @@ RoPE is llama.cpp's NORM mode for llama: each head's ADJACENT pairs (x[2i], x[2i
 pos * base^(-2i / head_dim). (HF's llama rotates halves, x[i] with x[i + d/2]; the GGUF converter permutes the
 rows of attn_q / attn_k so the adjacent-pair form computes the same thing.) qwen2, qwen3 and gemma3 are NEOX
 mode: x[i] is paired with x[i + d/2] (llama.cpp ``llama_model_rope_type``).
+
+qwen35 (Qwen3.5 dense; HF transformers ``modeling_qwen3_5.py``, ``torch_recurrent_gated_delta_rule``; llama.cpp
+``src/models/qwen35.cpp``) is :func:`_qwen35_logits`: layer il is a Gated DeltaNet layer iff (il + 1) %
+full_attention_interval != 0, else gated attention; ``post_attention_norm`` is the pre-FFN norm.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from gguf.quants import dequantize
 from detinfer.model.gguf_file import ModelFile
 
 NEOX_ARCHS = ("qwen2", "qwen3", "gemma3")  # llama.cpp llama_model_rope_type: LLAMA_ROPE_TYPE_NEOX
-ARCHS = ("llama", *NEOX_ARCHS)
+ARCHS = ("llama", *NEOX_ARCHS, "qwen35")
 # gemma3 values the GGUF metadata leaves implicit (HF google/gemma-3-270m config.json).
 GEMMA3_SWA_PATTERN, GEMMA3_LOCAL_BASE, GEMMA3_QUERY_PRE_ATTN_SCALAR = 6, 10000.0, 256.0
 
@@ -168,6 +172,8 @@ def reference_logits(mf: ModelFile, tokens: list[int]) -> np.ndarray:
     ids = np.asarray(tokens, dtype=np.int64)
     if ids.ndim != 1 or len(ids) == 0 or ids.min() < 0 or ids.max() >= hp.n_vocab:
         raise ValueError(f"tokens must be a non-empty list of ids in [0, {hp.n_vocab}), got {tokens!r}")
+    if hp.arch == "qwen35":
+        return _qwen35_logits(mf, W, hp, ids)
     n, hd = len(ids), hp.head_dim
     gemma = hp.arch == "gemma3"
     neox = hp.arch in NEOX_ARCHS
@@ -199,3 +205,66 @@ def reference_logits(mf: ModelFile, tokens: list[int]) -> np.ndarray:
         x = x + f
     x = _rmsnorm(x, W["output_norm.weight"], hp.eps)
     return _mm(x, W.get("output.weight", W["token_embd.weight"]))  # tied embeddings when there is no output.weight
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def _qwen35_logits(mf: ModelFile, W: dict[str, np.ndarray], hp: _Hparams, ids: np.ndarray) -> np.ndarray:
+    """qwen35, per layer (HF Qwen3_5GatedDeltaNet / Qwen3_5Attention, written out from the formulas):
+
+    DeltaNet: mixed = attn_qkv @ h; z, b, a_in = attn_gate @ h, ssm_beta @ h, ssm_alpha @ h; y = silu(causal
+    depthwise conv over time of mixed, kernel ssm_conv1d [C, K], zeros before position 0); q, k, v = split(y)
+    (n_k_head x head_k twice, n_v_head x head_v), value head j reading key head j % n_k_head; q, k /= their L2
+    norm (at least eps); beta = sigmoid(b); g = softplus(a_in + ssm_dt.bias) * ssm_a; per token
+    S_j = S_j * exp(g_j); S_j += k (x) ((v_j - S_j^T k) * beta_j); o_j = S_j^T q / sqrt(head_v); out =
+    ssm_out @ (rmsnorm(o_j) * ssm_norm * silu(z_j)). Attention: attn_q rows are [q_h | gate_h] per head; per-head
+    q/k norm; NeoX RoPE on the first rope.dimension_count dims; softmax(q k / sqrt(head_dim)) v * sigmoid(gate).
+    """
+    a = "qwen35"
+    interval, n_rot = int(mf.get(f"{a}.full_attention_interval", 4)), int(mf.require(f"{a}.rope.dimension_count"))
+    K, dk = int(mf.require(f"{a}.ssm.conv_kernel")), int(mf.require(f"{a}.ssm.state_size"))
+    n_kh, n_vh = int(mf.require(f"{a}.ssm.group_count")), int(mf.require(f"{a}.ssm.time_step_rank"))
+    dv = int(mf.require(f"{a}.ssm.inner_size")) // n_vh
+    n, hd, eps = len(ids), hp.head_dim, hp.eps
+    x = W["token_embd.weight"][ids].astype(np.float64)
+    for il in range(hp.n_layer):
+        p = f"blk.{il}."
+        h = _rmsnorm(x, W[p + "attn_norm.weight"], eps)
+        if (il + 1) % interval:
+            mixed, z = _mm(h, W[p + "attn_qkv.weight"]), _mm(h, W[p + "attn_gate.weight"]).reshape(n, n_vh, dv)
+            beta = 1.0 / (1.0 + np.exp(-_mm(h, W[p + "ssm_beta.weight"])))
+            u = _mm(h, W[p + "ssm_alpha.weight"]) + W[p + "ssm_dt.bias"]
+            g = np.where(u > 20, u, np.log1p(np.exp(np.minimum(u, 20)))) * W[p + "ssm_a"]
+            w = W[p + "ssm_conv1d.weight"].astype(np.float64)  # [C, K]
+            padded = np.concatenate([np.zeros((K - 1, mixed.shape[1])), mixed])
+            y = _silu(sum(padded[i : i + n] * w[:, i] for i in range(K)))
+            key = n_kh * dk
+            q, k, v = y[:, :key].reshape(n, n_kh, dk), y[:, key : 2 * key].reshape(n, n_kh, dk), y[:, 2 * key :].reshape(n, n_vh, dv)
+            q = q / np.maximum(np.linalg.norm(q, axis=-1, keepdims=True), eps)
+            k = k / np.maximum(np.linalg.norm(k, axis=-1, keepdims=True), eps)
+            S, o = np.zeros((n_vh, dk, dv)), np.empty((n, n_vh, dv))
+            for t in range(n):
+                for j in range(n_vh):
+                    kt, qt = k[t, j % n_kh], q[t, j % n_kh]
+                    S[j] *= np.exp(g[t, j])
+                    S[j] += np.outer(kt, (v[t, j] - S[j].T @ kt) * beta[t, j])
+                    o[t, j] = S[j].T @ qt / np.sqrt(dv)
+            out = _rmsnorm(o, W[p + "ssm_norm.weight"], eps) * _silu(z)
+            x = x + _mm(out.reshape(n, n_vh * dv), W[p + "ssm_out.weight"])
+        else:
+            qg = _mm(h, W[p + "attn_q.weight"]).reshape(n, hp.n_head, 2 * hd)
+            q, gate = qg[..., :hd], qg[..., hd:].reshape(n, hp.n_head * hd)
+            k = _mm(h, W[p + "attn_k.weight"]).reshape(n, hp.n_head_kv, hd)
+            v = _mm(h, W[p + "attn_v.weight"]).reshape(n, hp.n_head_kv, hd)
+            q, k = _rmsnorm(q, W[p + "attn_q_norm.weight"], eps), _rmsnorm(k, W[p + "attn_k_norm.weight"], eps)
+            q, k = q.copy(), k.copy()
+            q[..., :n_rot], k[..., :n_rot] = _rope(q[..., :n_rot], hp.rope_base, True), _rope(k[..., :n_rot], hp.rope_base, True)
+            att = _attention(q, k, v, hp.n_head_kv, 1 / np.sqrt(hd)) / (1.0 + np.exp(-gate))
+            x = x + _mm(att, W[p + "attn_output.weight"])
+        h = _rmsnorm(x, W[p + "post_attention_norm.weight"], eps)
+        f = _mm(_silu(_mm(h, W[p + "ffn_gate.weight"])) * _mm(h, W[p + "ffn_up.weight"]), W[p + "ffn_down.weight"])
+        x = x + f
+    x = _rmsnorm(x, W["output_norm.weight"], eps)
+    return _mm(x, W.get("output.weight", W["token_embd.weight"]))

@@ -22,7 +22,8 @@ U = 2.0**-24  # float32 unit roundoff
 
 # llama.cpp src/llama-model.cpp, llama_model_rope_type: LLM_ARCH_LLAMA is LLAMA_ROPE_TYPE_NORM ("pairs of
 # consecutive head values"); QWEN2, QWEN3 and GEMMA3 are LLAMA_ROPE_TYPE_NEOX ("offset by n_rot/2").
-LLAMACPP_ROPE_TYPE = {"llama": "norm", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox"}
+# qwen35: LLAMA_ROPE_TYPE_IMROPE, which for text (every position row the token's position) is NeoX on n_rot dims
+LLAMACPP_ROPE_TYPE = {"llama": "norm", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox", "qwen35": "neox"}
 
 
 def test_every_architecture_has_llamacpps_rope_style():

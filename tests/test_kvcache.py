@@ -381,7 +381,8 @@ def test_refusals_with_a_valid_checksum(small_file, tmp_path):
             load_kv(small_file, **expect)
         return _error(e)
 
-    assert "format version 2" in refused(_reseal(data[:8] + struct.pack("<I", 2) + data[12:]))
+    assert "format version 3" in refused(_reseal(data[:8] + struct.pack("<I", 3) + data[12:]))
+    assert "a version 2 file whose header is version 1's" in refused(_reseal(data[:8] + struct.pack("<I", 2) + data[12:]))
     assert "saved for model" in refused(data, model_sha256=OTHER_SHA)
     assert "tokenizer" in refused(data, tokenizer_sha256=OTHER_SHA)
     assert "KV type f32" in refused(data, kv_type="f16")

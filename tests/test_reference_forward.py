@@ -53,15 +53,12 @@ def widened(engine: Engine) -> Engine:
         w = np.ascontiguousarray(np.concatenate(rows).astype(np.float32)).reshape(mat.n_out, mat.n_in)
         return QMatrix.from_raw(mat.name, GGMLQuantizationType.F32, w.view(np.uint8), mat.n_in)
 
-    def proj(p: Projection) -> Projection:
-        return Projection(tuple(dense(m) for m in p.mats))
+    def proj(p: Projection | None) -> Projection | None:
+        return None if p is None else Projection(tuple(dense(m) for m in p.mats))
 
     w = engine.weights
-    layers = tuple(
-        replace(l, attn_qkv=proj(l.attn_qkv), attn_output=proj(l.attn_output), ffn_gate_up=proj(l.ffn_gate_up),
-                ffn_down=proj(l.ffn_down))
-        for l in w.layers
-    )  # fmt: skip
+    fields = ("attn_qkv", "attn_output", "ssm_in", "ssm_out", "ffn_gate_up", "ffn_down")
+    layers = tuple(replace(l, **{f: proj(getattr(l, f)) for f in fields}) for l in w.layers)
     engine.weights = replace(w, layers=layers, output=dense(w.output))
     return engine
 
@@ -116,6 +113,7 @@ TINY = [
     ("qwen2", "Q8_0", {}),
     ("qwen3", "F32", {"blk.1.attn_v.weight": "Q8_0"}),
     ("gemma3", "Q4_0", {f"blk.{i}.attn_v.weight": "Q8_0" for i in (0, 5)}),
+    ("qwen35", "F32", {"blk.0.ssm_out.weight": "Q8_0", "blk.1.attn_v.weight": "Q8_0"}),  # Gated DeltaNet + gated attention
 ]
 
 

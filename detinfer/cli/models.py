@@ -53,12 +53,20 @@ def info(
     for key, value in mi.config_rows:
         table.add_row(key, value)
     out.print(table)
-    kv = Table("kv type", "bytes / position", f"bytes at n_ctx={ctx}", title="KV cache = n_layer × positions × 2 × kv_width × bytes_per_number")
+    cfg = mi.config
+    n_rec = sum(cfg.recurrent_layers)
+    layers = "attention layers" if n_rec else "n_layer"
+    kv = Table("kv type", "bytes / position", f"bytes at n_ctx={ctx}", title=f"KV cache = {layers} × positions × 2 × kv_width × bytes_per_number")
     for kv_type, (per_position, total) in mi.kv.items():
         kv.add_row(kv_type, f"{per_position:,}", f"{total:,} ({total / 2**20:.1f} MiB)")
     out.print(kv)
-    cfg = mi.config
-    out.print(f"kv_width = n_head_kv × head_dim = {cfg.n_head_kv} × {cfg.head_dim} = {cfg.kv_width}; n_layer = {cfg.n_layer}")
+    split = f" ({cfg.n_attn_layer} attention, {n_rec} Gated DeltaNet)" if n_rec else ""
+    out.print(f"kv_width = n_head_kv × head_dim = {cfg.n_head_kv} × {cfg.head_dim} = {cfg.kv_width}; n_layer = {cfg.n_layer}{split}")
+    if n_rec:
+        K, conv, (h, dv, dk) = cfg.ssm_conv_kernel, cfg.ssm_conv_width, (cfg.ssm_n_v_head, cfg.ssm_head_v, cfg.ssm_head_k)
+        out.print(f"recurrent state = Gated DeltaNet layers × ((K − 1) × conv_width + n_v_head × head_v × head_k) × 4 bytes = "
+                  f"{n_rec} × ({K - 1} × {conv} + {h} × {dv} × {dk}) × 4 = {cfg.state_bytes:,} bytes "
+                  f"({cfg.state_bytes / 2**20:.1f} MiB) per sequence, whatever its length", soft_wrap=True)  # fmt: skip
 
 
 @app.command("cache-key")

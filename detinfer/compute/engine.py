@@ -55,6 +55,9 @@ class _Scratch:
     proj: np.ndarray  # [T, n_embd]
     gate_up: np.ndarray  # [T, 2 n_ff]
     ffn: np.ndarray  # [T, n_ff]
+    q: np.ndarray  # [T, q_width] the queries apart from their gates (attn_output_gate), else [T, 0]
+    ssm_in: np.ndarray  # [T, ssm_conv_width + ssm_d_inner + 2 n_v_head] a recurrent layer's projections, else [T, 0]
+    ssm_o: np.ndarray  # [T, ssm_d_inner] its output before ssm_out, else [T, 0]
     # 8-bit codes of the matmul inputs: n -> Activations buffers [T, n] (C-contiguous) of inputs of width n;
     # (n, rows.start, rows.stop) -> Activations views of their rows
     codes: dict = field(default_factory=dict)
@@ -103,10 +106,15 @@ class Engine:
         # gemma3 scales embeddings by sqrtf(n_embd) (llama.cpp src/models/gemma3.cpp); None: no scaling.
         self._embd_scale = np.float32(np.sqrt(np.float32(cfg.n_embd))) if arch.embd_scale else None
         # Per layer: (cos, sin) RoPE tables [n_ctx, head_dim / 2] of the layer's base, and its window (0: none).
-        tables = {b: kernels.rope_table(n_ctx, cfg.head_dim, b) for b in {cfg.rope_freq_base, cfg.rope_freq_base_swa}}
+        tables = {b: kernels.rope_table(n_ctx, cfg.n_rot, b) for b in {cfg.rope_freq_base, cfg.rope_freq_base_swa}}
         self._layer_rope = [tables[cfg.rope_freq_base_swa if swa else cfg.rope_freq_base] for swa in cfg.swa_layers]
         self._layer_window = [cfg.sliding_window if swa else 0 for swa in cfg.swa_layers]
         self.attn_scale = np.float32(1.0 / np.sqrt(np.float64(cfg.query_pre_attn_scalar)))
+        self._gated = arch.attn_output_gate
+        # per layer, where its state is in a cache: its K/V's index in cache.k / cache.v (attention layers, in
+        # order), or its first array's in cache.state (recurrent layers: conv inputs, then the delta-rule state)
+        recurrent = cfg.recurrent_layers or (False,) * cfg.n_layer
+        self._slot = [2 * sum(recurrent[:il]) if r else il - sum(recurrent[:il]) for il, r in enumerate(recurrent)]
         self._scratch: dict[int, _Scratch] = {}
         self._kv_pool = KVPool()
 
@@ -149,14 +157,18 @@ class Engine:
             cfg = self.config
             qw = cfg.n_head * cfg.head_dim
             f = np.float32
+            gate = qw if self._gated else 0
             self._scratch[T] = _Scratch(
                 x=np.empty((T, cfg.n_embd), f),
                 xn=np.empty((T, cfg.n_embd), f),
-                qkv=np.empty((T, qw + 2 * cfg.kv_width), f),
+                qkv=np.empty((T, qw + gate + 2 * cfg.kv_width), f),
                 attn=np.empty((T, qw), f),
                 proj=np.empty((T, cfg.n_embd), f),
                 gate_up=np.empty((T, 2 * cfg.n_ff), f),
                 ffn=np.empty((T, cfg.n_ff), f),
+                q=np.empty((T, gate), f),
+                ssm_in=np.empty((T, (cfg.ssm_conv_width + cfg.ssm_d_inner + 2 * cfg.ssm_n_v_head) if cfg.state_bytes else 0), f),
+                ssm_o=np.empty((T, cfg.ssm_d_inner), f),
             )
         return self._scratch[T]
 
@@ -230,6 +242,17 @@ class Engine:
             at += k
         return out
 
+    def _ffn(self, layer, s: _Scratch, norm, ffn_act, eps: np.float32) -> None:
+        """The FFN block of ``layer`` on the residual stream s.x, in place (with gemma3's post-FFN norm)."""
+        n_ff = self.config.n_ff
+        norm(s.x, layer.ffn_norm, eps, s.xn)
+        project(layer.ffn_gate_up, s.xn, self._codes(s, s.xn), s.gate_up)
+        ffn_act(s.gate_up[:, :n_ff], s.gate_up[:, n_ff:], s.ffn)
+        project(layer.ffn_down, s.ffn, self._codes(s, s.ffn), s.proj)
+        if layer.post_ffw_norm is not None:
+            norm(s.proj, layer.post_ffw_norm, eps, s.proj)
+        kernels.add_inplace(s.x, s.proj)
+
     def _checked_ids(self, tokens: Sequence[int], cache: KVCache) -> np.ndarray:
         """``tokens`` as int64 ids; InputError if empty, outside the vocabulary or beyond the cache's context."""
         cfg = self.config
@@ -277,10 +300,25 @@ class Engine:
             s.x *= self._embd_scale  # one float32 multiply per element
         for li, layer in enumerate(w.layers):
             norm(s.x, layer.attn_norm, eps, s.xn)
+            slot = self._slot[li]
+            if layer.recurrent:  # each sequence's recurrence on its own state, as if it ran alone
+                project(layer.ssm_in, s.xn, self._codes(s, s.xn), s.ssm_in)
+                for cache, a, b, _ in spans:
+                    kernels.delta_net(s.ssm_in[a:b], layer.ssm_conv1d, layer.ssm_dt_bias, layer.ssm_a, layer.ssm_norm,
+                                      cache.state[slot], cache.state[slot + 1], cfg.ssm_n_k_head, eps, s.ssm_o[a:b])  # fmt: skip
+                project(layer.ssm_out, s.ssm_o, self._codes(s, s.ssm_o), s.proj)
+                kernels.add_inplace(s.x, s.proj)
+                self._ffn(layer, s, norm, ffn_act, eps)
+                continue
             project(layer.attn_qkv, s.xn, self._codes(s, s.xn), s.qkv)
             if layer.attn_qkv_bias is not None:
                 kernels.add_bias(s.qkv, layer.attn_qkv_bias)
-            q, k = s.qkv[:, :qw], s.qkv[:, qw : qw + kvw]
+            if self._gated:  # rows [q_h | gate_h] per head: the queries apart, the gates read in place after attention
+                s.q.reshape(T, cfg.n_head, cfg.head_dim)[...] = s.qkv[:, : 2 * qw].reshape(T, cfg.n_head, 2, cfg.head_dim)[:, :, 0]
+                queries, k_col = s.q, 2 * qw
+            else:
+                queries, k_col = s.qkv, qw
+            q, k = queries[:, :qw], s.qkv[:, k_col : k_col + kvw]
             if layer.attn_q_norm is not None:
                 norm_heads(q.reshape(T, cfg.n_head, cfg.head_dim), layer.attn_q_norm, eps)
                 norm_heads(k.reshape(T, cfg.n_head_kv, cfg.head_dim), layer.attn_k_norm, eps)
@@ -290,23 +328,20 @@ class Engine:
             for cache, a, b, p0 in spans:  # each sequence's attention over its own cache, as if it ran alone
                 n = b - a
                 kv_write = kernels.kv_write_tokens if n > 1 else kernels.kv_write
-                kv_write(cache.k[li], cache.v[li], s.qkv[a:b], qw, qw + kvw, p0)
+                kv_write(cache.k[slot], cache.v[slot], s.qkv[a:b], k_col, k_col + kvw, p0)
                 heads_per_job = cfg.n_head // cfg.n_head_kv if n * cfg.n_head_kv >= GROUP_JOBS else 1
-                kernels.attention(s.qkv[a:b], cache.k[li], cache.v[li], p0, cfg.n_head, self.attn_scale, cache.lut,
+                kernels.attention(queries[a:b], cache.k[slot], cache.v[slot], p0, cfg.n_head, self.attn_scale, cache.lut,
                                   s.attn[a:b], self._layer_window[li], heads_per_job)  # fmt: skip
+            if self._gated:
+                kernels.gate_heads(s.attn, s.qkv, cfg.n_head, cfg.head_dim)
             project(layer.attn_output, s.attn, self._codes(s, s.attn), s.proj)
             if layer.post_attention_norm is not None:
                 norm(s.proj, layer.post_attention_norm, eps, s.proj)
             kernels.add_inplace(s.x, s.proj)
-            norm(s.x, layer.ffn_norm, eps, s.xn)
-            project(layer.ffn_gate_up, s.xn, self._codes(s, s.xn), s.gate_up)
-            ffn_act(s.gate_up[:, : cfg.n_ff], s.gate_up[:, cfg.n_ff :], s.ffn)
-            project(layer.ffn_down, s.ffn, self._codes(s, s.ffn), s.proj)
-            if layer.post_ffw_norm is not None:
-                norm(s.proj, layer.post_ffw_norm, eps, s.proj)
-            kernels.add_inplace(s.x, s.proj)
-        for cache, a, b, _ in spans:
+            self._ffn(layer, s, norm, ffn_act, eps)
+        for cache, a, b, p0 in spans:
             cache.tokens.extend(int(i) for i in ids[a:b])
+            cache.forwarded(p0)
         if logits is None:
             return
         if isinstance(rows, np.ndarray):  # rows of several segments: gathered into the first scratch rows

@@ -242,6 +242,7 @@ class Decoding:
             self._held = self.cache.n_tokens
             if self._prefill:
                 return
+            self.cache.checkpoint()  # a recurrent state at the prompt's end: where the next turn or a branch resumes
             self.result.timings.prefill_s = time.perf_counter() - self._t0
             self._t0 = time.perf_counter()
             self._logits = logits
@@ -329,6 +330,7 @@ class Decoding:
         res.stop_reason = step.stop_reason
         res.timings.decode_s = time.perf_counter() - self._t0
         res.kv_sha256 = self.cache.digest()
+        self.cache.checkpoint()  # a recurrent state at the turn's end: where the next turn diverging from it resumes
         if self.prefix_cache is not None:
             self.prefix_cache.store(self.cache)
         self.done = True

@@ -37,7 +37,7 @@ from numba.extending import intrinsic, overload
 from ..model.quants import QK, f32_to_f16_bits
 from ..model.weights import ROWS
 from . import jit
-from .numerics import exp32, pow64, sincos64
+from .numerics import exp32, log32, pow64, sincos64
 
 # Benchmark only (detinfer.bench measures the cost of the contract): DETINFER_BENCH_FASTMATH=1, read once at import,
 # compiles every kernel with fastmath, which breaks bit-identity. The bench worker gives it its own NUMBA_CACHE_DIR.
@@ -569,6 +569,96 @@ def rope_norm(x, positions, n_head, head_dim, cos, sin):
 
 
 @njit(cache=True, error_model="numpy")
+def gate_heads(x, qkv, n_head, head_dim):
+    """In-place attention output gate (qwen35; llama.cpp qwen35.cpp build_layer_attn): x[t, h*hd + d] *=
+    sigmoid(qkv[t, (2h + 1)*hd + d]), the gate half of head h's [q_h | gate_h] projection rows;
+    sigmoid(g) = 1 / (1 + exp32(-g)). x: float32 [T, n_head * head_dim]; qkv: float32 [T, >= 2 n_head head_dim]."""
+    for t in range(x.shape[0]):
+        xt, gt = x[t], qkv[t]
+        for h in range(n_head):
+            for d in range(head_dim):
+                g = gt[(2 * h + 1) * head_dim + d]
+                xt[h * head_dim + d] *= np.float32(1.0) / (np.float32(1.0) + exp32(-g))
+
+
+@njit(cache=True, parallel=True, error_model="numpy")
+def delta_net(inp, conv_w, dt_bias, a, norm_w, conv_state, state, n_k_head, eps, out):
+    """One Gated DeltaNet layer (Yang et al. 2024, "Gated Delta Networks"; llama.cpp src/models/qwen35.cpp,
+    delta-net-base.cpp and ggml's ssm_conv / gated_delta_net) over the T tokens of one sequence, token by token, in
+    place on that sequence's state: prefill runs exactly what decode runs, one token after another.
+
+    inp: float32 [T, C + d_inner + 2 H], per token the projections q | k | v (C conv channels: n_k_head x head_k
+    twice, then H x head_v), z (d_inner = H x head_v), b (H), a_in (H); conv_w: [C, K]; dt_bias, a: [H] (a stored
+    as -exp(A_log)); norm_w: [head_v]; conv_state: [C, K - 1], the last K - 1 inputs, oldest first; state:
+    [H, head_v, head_k], row m of head j being S_j[:, m]; out: float32 [T, d_inner]. Per token:
+    y_c = silu(sum over i < K of win_i * conv_w[c, i]), win = (conv_state[c], x_c), i in increasing order, and
+    conv_state[c] <- win[1:]; value head j reads q and k of key head j % n_k_head (llama.cpp's order) and
+    divides each by max(||.||, eps); beta = sigmoid(b_j); g = softplus(a_in_j + dt_bias_j) * a_j with
+    softplus(x) = x above 20, else log32(1 + exp32(x)); S_j *= exp32(g); d_m = (v_m - sum_i S_j[m, i] k_i) * beta;
+    S_j[m, i] += d_m * k_i; o_m = (sum_i S_j[m, i] q_i) * (1 / sqrt(head_v)); out_j = rmsnorm(o) * norm_w *
+    silu(z_j) (:func:`rmsnorm`'s order, eps). Every sum runs left to right in float32. Parallel over conv channels
+    and over value heads (each owns its rows of the state) only: the same bytes at any thread count.
+    """
+    T, K = inp.shape[0], conv_w.shape[1]
+    H, dv, dk = state.shape[0], state.shape[1], state.shape[2]
+    C = conv_w.shape[0]
+    key = n_k_head * dk
+    zc, bc = C, C + H * dv
+    scale = np.float32(1.0 / math.sqrt(dv))
+    one = np.float32(1.0)
+    y = np.empty(C, np.float32)
+    for t in range(T):
+        x = inp[t]
+        for c in prange(C):
+            w, st = conv_w[c], conv_state[c]
+            acc = np.float32(0.0)
+            for i in range(K - 1):
+                acc += st[i] * w[i]
+            acc += x[c] * w[K - 1]
+            for i in range(K - 2):
+                st[i] = st[i + 1]
+            if K > 1:
+                st[K - 2] = x[c]
+            y[c] = acc / (one + exp32(-acc))
+        for j in prange(H):
+            kh = j % n_k_head
+            qo, ko, vo = kh * dk, key + kh * dk, 2 * key + j * dv
+            qn = np.float32(0.0)
+            kn = np.float32(0.0)
+            for i in range(dk):
+                qn += y[qo + i] * y[qo + i]
+                kn += y[ko + i] * y[ko + i]
+            qs = one / max(np.float32(math.sqrt(qn)), eps)
+            ks = one / max(np.float32(math.sqrt(kn)), eps)
+            beta = one / (one + exp32(-x[bc + j]))
+            u = x[bc + H + j] + dt_bias[j]
+            g = (u if u > np.float32(20.0) else log32(one + exp32(u))) * a[j]
+            decay = exp32(g)
+            s = state[j]
+            o = np.empty(dv, np.float32)
+            for m in range(dv):
+                sm = s[m]
+                kv = np.float32(0.0)
+                for i in range(dk):
+                    sm[i] *= decay
+                    kv += sm[i] * (y[ko + i] * ks)
+                d = (y[vo + m] - kv) * beta
+                om = np.float32(0.0)
+                for i in range(dk):
+                    sm[i] += d * (y[ko + i] * ks)
+                    om += sm[i] * (y[qo + i] * qs)
+                o[m] = om * scale
+            ss = np.float32(0.0)
+            for m in range(dv):
+                ss += o[m] * o[m]
+            r = one / np.float32(math.sqrt(ss / np.float32(dv) + eps))
+            ot = out[t]
+            for m in range(dv):
+                z = x[zc + j * dv + m]
+                ot[j * dv + m] = ((o[m] * r) * norm_w[m]) * (z / (one + exp32(-z)))
+
+
+@njit(cache=True, error_model="numpy")
 def swiglu(gate, up, out):
     """SwiGLU (Shazeer 2020): out = silu(gate) * up with silu(g) = g / (1 + exp32(-g)); float32 [T, n_ff]."""
     for t in range(gate.shape[0]):
@@ -744,10 +834,11 @@ def attention(q, k_cache, v_cache, pos0, n_head, scale, lut, out, window=0, head
 def rope_neox(x, positions, n_head, head_dim, cos, sin):
     """In-place RoPE, llama.cpp "NeoX" mode (halves), as GGUF qwen2 / qwen3 / gemma3 files expect.
 
-    x: float32 [T, n_head * head_dim]; positions: int64 [T]; cos, sin: [n_ctx, head_dim // 2] (:func:`rope_table`).
-    For each head and i < head_dim/2: (x0, x1) = (x[i], x[i + head_dim/2]) -> (x0*c - x1*s, x0*s + x1*c).
+    x: float32 [T, n_head * head_dim]; positions: int64 [T]; cos, sin: [n_ctx, n_rot // 2] (:func:`rope_table`),
+    n_rot = head_dim but for partial RoPE (qwen35), where dims n_rot.. of each head pass through unchanged.
+    For each head and i < n_rot/2: (x0, x1) = (x[i], x[i + n_rot/2]) -> (x0*c - x1*s, x0*s + x1*c).
     """
-    half = head_dim // 2
+    half = cos.shape[1]
     for t in range(x.shape[0]):
         c = cos[positions[t]]
         s = sin[positions[t]]

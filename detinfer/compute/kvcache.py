@@ -2,11 +2,14 @@
 
 Size: n_layer x positions x 2 (K and V) x kv_width x bytes_per_number, with kv_width = n_head_kv x head_dim.
 
-Every layer here is an attention layer, whose state at position p depends only on tokens 0..p, so truncating
-to an earlier position is exact. A recurrent-state layer (a running total such as Gated DeltaNet's) has no
-per-position state and could not be truncated: such a cache would report ``truncatable = False`` and callers
-fall back to recomputation (a snapshot of it would be reusable only at exactly its own length). No such layer
-exists yet.
+An attention layer's state at position p depends only on tokens 0..p, so truncating to an earlier position is
+exact. A hybrid model's recurrent (Gated DeltaNet) layers keep instead a fixed-size running state per sequence
+(the causal conv's last inputs and the delta-rule state), updated in place, with nothing to cut back to: its cache
+reports ``truncatable = False``, and a snapshot of it is reusable only at exactly its own length. It keeps instead
+**checkpoints**: copies of the state at a few positions (after every prompt, and whenever a forward crosses a
+multiple of CHECKPOINT_EVERY positions; the CHECKPOINTS most recent, so at most CHECKPOINTS x state bytes), and can be
+cut back to any checkpoint: the attention layers' K/V are truncated there and the state is the copy, exactly what
+computing those tokens again gives. Its digest covers the KV of the attention layers and every recurrent state.
 
 A :class:`KVSnapshot` is a compact, read-only copy of positions 0..n-1; restoring it into a cache and
 continuing gives the same bytes as never having stopped, because the cache's contents depend only on its tokens.
@@ -27,6 +30,9 @@ import numpy as np
 from ..errors import InputError, KVTypeError
 from ..model.config import ModelConfig
 from ..model.quants import F16_TO_F32
+
+CHECKPOINT_EVERY = 256  # positions between two recurrent-state checkpoints (one is also taken after every prompt)
+CHECKPOINTS = 4  # checkpoints a cache with recurrent state keeps, the most recent ones; each costs its state bytes
 
 # Storage dtype of each KV type; f16 is held as IEEE half bits (uint16) and rounded to nearest even.
 KV_TYPES = {"f32": np.float32, "f16": np.uint16}
@@ -84,13 +90,14 @@ def check_kv_fits(cfg: ModelConfig, n_ctx: int, kv_type: str) -> int:
     Raises InputError naming the size, the formula's factors and the fix.
     """
     per_number = kv_bytes_per_number(kv_type)
-    need = cfg.kv_bytes(n_ctx, per_number)
+    need = cfg.kv_bytes(n_ctx, per_number) + cfg.state_bytes
     avail = available_memory()
     if avail is not None and need > avail:
         fix = "lower --ctx" + (" or use --kv-type f16" if kv_type == "f32" else "")
+        state = f" + {cfg.state_bytes} bytes of recurrent state" if cfg.state_bytes else ""
         raise InputError(
-            f"a KV cache of {n_ctx} positions needs {need / 2**30:.2f} GiB ({cfg.n_layer} layers x {n_ctx} positions x 2 x "
-            f"{cfg.kv_width} x {per_number} bytes) but only {avail / 2**30:.2f} GiB of memory is available; {fix}"
+            f"a KV cache of {n_ctx} positions needs {need / 2**30:.2f} GiB ({cfg.n_attn_layer} layers x {n_ctx} positions x 2 x "
+            f"{cfg.kv_width} x {per_number} bytes{state}) but only {avail / 2**30:.2f} GiB of memory is available; {fix}"
         )
     return need
 
@@ -122,11 +129,17 @@ def digest_prefix(kv_type: str, n_layer: int, n_head_kv: int, head_dim: int, n: 
     return f"detinfer-kv/1 {kv_type} {n_layer} {n_head_kv} {head_dim} {n}\n".encode()
 
 
-def _digest(kv_type: str, k: Sequence[np.ndarray], v: Sequence[np.ndarray], n: int) -> str:
+def _digest(kv_type: str, k: Sequence[np.ndarray], v: Sequence[np.ndarray], n: int, state: Sequence[np.ndarray] = ()) -> str:
+    """The KV digest; with a recurrent ``state`` (conv, then delta-rule state, per recurrent layer), a second header
+    line naming their count and their float32 little-endian bytes after the KV."""
     n_head_kv, head_dim = k[0].shape[0], k[0].shape[1]
     h = hashlib.sha256(digest_prefix(kv_type, len(k), n_head_kv, head_dim, n))
+    if state:
+        h.update(f"recurrent {len(state)}\n".encode())
     for a in canonical_layers(k, v, n):
         h.update(a.data)
+    for a in state:
+        h.update(np.ascontiguousarray(a, dtype="<f4").data)
     return h.hexdigest()
 
 
@@ -135,23 +148,28 @@ class KVSnapshot:
     """A read-only copy of K and V for positions 0..n_tokens-1 of one sequence.
 
     k[l]: [n_head_kv, head_dim, n_tokens]; v[l]: [n_head_kv, n_tokens, head_dim] (the cache's layout, cut to
-    n_tokens); dtype float32, or uint16 float16 bits for kv_type "f16". ``tokens``: the ids at those positions.
-    Built by :meth:`KVCache.snapshot` or read from a .detkv file; raises InputError if the arrays do not agree
-    with each other, the kv type or the tokens.
+    n_tokens; attention layers only); dtype float32, or uint16 float16 bits for kv_type "f16". ``tokens``: the ids
+    at those positions. ``state``: a hybrid model's recurrent state after them (float32 arrays, as
+    :attr:`KVCache.state`), empty otherwise. Built by :meth:`KVCache.snapshot` or read from a .detkv file; raises
+    InputError if the arrays do not agree with each other, the kv type or the tokens.
     """
 
     kv_type: str
     tokens: tuple[int, ...]
     k: tuple[np.ndarray, ...]
     v: tuple[np.ndarray, ...]
+    state: tuple[np.ndarray, ...] = ()
 
-    # Attention layers only, so any prefix of a snapshot is itself exact (see the module docstring).
-    truncatable = True
+    @property
+    def truncatable(self) -> bool:
+        """Whether any prefix of this snapshot is itself exact: attention layers only (see the module docstring)."""
+        return not self.state
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
         object.__setattr__(self, "k", tuple(self.k))
         object.__setattr__(self, "v", tuple(self.v))
+        object.__setattr__(self, "state", tuple(self.state))
         dtype = np.dtype(KV_TYPES[parse_kv_type(self.kv_type)])
         if not self.k or len(self.k) != len(self.v):
             raise InputError(f"a KV snapshot needs the same number (>= 1) of K and V layers, got {len(self.k)} and {len(self.v)}")
@@ -182,21 +200,22 @@ class KVSnapshot:
         return self.k[0].shape[1]
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        """(n_layer, n_head_kv, head_dim): what a cache must have to take this snapshot."""
-        return (self.n_layer, self.n_head_kv, self.head_dim)
+    def shape(self) -> tuple:
+        """(n_layer, n_head_kv, head_dim), and the recurrent state's array shapes for a hybrid model: what a cache
+        must have to take this snapshot."""
+        return (self.n_layer, self.n_head_kv, self.head_dim) + ((tuple(a.shape for a in self.state),) if self.state else ())
 
     @property
     def nbytes(self) -> int:
-        """Bytes of K and V held: n_layer x n_tokens x 2 x kv_width x bytes_per_number."""
-        return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
+        """Bytes held: K and V (n_layer x n_tokens x 2 x kv_width x bytes_per_number) and any recurrent state."""
+        return sum(a.nbytes for a in self.k + self.v + self.state)
 
     def digest(self, n: int | None = None) -> str:
         """sha256 hex of positions 0..n-1 (default all), equal to :meth:`KVCache.digest` of the cache it came from."""
         n = self.n_tokens if n is None else n
-        if not 0 <= n <= self.n_tokens:
+        if not 0 <= n <= self.n_tokens or (self.state and n != self.n_tokens):
             raise InputError(f"cannot digest {n} positions of a KV snapshot of {self.n_tokens}")
-        return _digest(self.kv_type, self.k, self.v, n)
+        return _digest(self.kv_type, self.k, self.v, n, self.state)
 
     def prefix(self, n: int) -> "KVSnapshot":
         """The snapshot of positions 0..n-1 (views, no copy). Exact for attention layers; InputError if n is out of range."""
@@ -263,27 +282,33 @@ class KVCache:
     clear what they drop).
     """
 
-    # Attention layers: truncating to k < n_tokens is exact. A cache with a recurrent-state layer would set this
-    # False (its state is a running total over all positions, with nothing to cut back to).
-    truncatable = True
-
     def __init__(self, cfg: ModelConfig, n_ctx: int, kv_type: str = "f32", pool: KVPool | None = None):
         self.kv_type = parse_kv_type(kv_type)
         check_kv_fits(cfg, n_ctx, self.kv_type)
         self.n_ctx = n_ctx
-        self.n_layer, self.n_head_kv, self.head_dim = cfg.n_layer, cfg.n_head_kv, cfg.head_dim
+        n_layer = cfg.n_attn_layer  # the KV of the attention layers, in layer order
+        self.n_layer, self.n_head_kv, self.head_dim = n_layer, cfg.n_head_kv, cfg.head_dim
         dtype = KV_TYPES[self.kv_type]
         per_layer = cfg.n_head_kv * cfg.head_dim * n_ctx
-        nbytes = 2 * cfg.n_layer * per_layer * np.dtype(dtype).itemsize
+        nbytes = 2 * n_layer * per_layer * np.dtype(dtype).itemsize
         self._mem = (pool.take(nbytes, dtype) if pool is not None else None) or _Memory(nbytes, dtype)
-        block = self._mem.flat.reshape(2 * cfg.n_layer, per_layer)
-        self.k = [block[i].reshape(cfg.n_head_kv, cfg.head_dim, n_ctx) for i in range(cfg.n_layer)]
-        self.v = [block[cfg.n_layer + i].reshape(cfg.n_head_kv, n_ctx, cfg.head_dim) for i in range(cfg.n_layer)]
+        block = self._mem.flat.reshape(2 * n_layer, per_layer)
+        self.k = [block[i].reshape(cfg.n_head_kv, cfg.head_dim, n_ctx) for i in range(n_layer)]
+        self.v = [block[n_layer + i].reshape(cfg.n_head_kv, n_ctx, cfg.head_dim) for i in range(n_layer)]
+        # per recurrent layer (in layer order): the conv's last K - 1 inputs [ssm_conv_width, K - 1] (oldest first),
+        # then the delta-rule state [n_v_head, head_v, head_k] (llama.cpp's layout: row m of head h is S_h[:, m])
+        self.state: list[np.ndarray] = []
+        for _ in range(sum(cfg.recurrent_layers)):
+            self.state += [np.zeros((cfg.ssm_conv_width, cfg.ssm_conv_kernel - 1), np.float32),
+                           np.zeros((cfg.ssm_n_v_head, cfg.ssm_head_v, cfg.ssm_head_k), np.float32)]  # fmt: skip
+        # attention layers only: truncating to k < n_tokens is exact; a recurrent state only to its checkpoints
+        self.truncatable = not self.state
+        self.checkpoints: dict[int, tuple[np.ndarray, ...]] = {}  # position -> copy of the state after that many tokens
         self.tokens: list[int] = []
         # float16 -> float32 decode table for the kernels (a 1-element dummy for f32 storage)
         self.lut = F16_TO_F32 if self.kv_type == "f16" else np.zeros(1, np.float32)
         if pool is not None:
-            weakref.finalize(self, pool.give, self._mem, (cfg.n_layer, cfg.n_head_kv, cfg.head_dim, n_ctx)).atexit = False
+            weakref.finalize(self, pool.give, self._mem, (n_layer, cfg.n_head_kv, cfg.head_dim, n_ctx)).atexit = False
 
     def will_write(self, end: int) -> None:
         """Record that positions below ``end`` may be written (the engine calls it before a chunk's KV writes, so
@@ -295,25 +320,45 @@ class KVCache:
         return len(self.tokens)
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        """(n_layer, n_head_kv, head_dim)."""
-        return (self.n_layer, self.n_head_kv, self.head_dim)
+    def shape(self) -> tuple:
+        """(n_layer, n_head_kv, head_dim), and the recurrent state's array shapes for a hybrid model (as
+        :attr:`KVSnapshot.shape`)."""
+        return (self.n_layer, self.n_head_kv, self.head_dim) + ((tuple(a.shape for a in self.state),) if self.state else ())
 
     @property
     def held_nbytes(self) -> int:
-        """Bytes of the n_tokens positions held: the nbytes of :meth:`snapshot`."""
-        return sum(a[:, :, : self.n_tokens].nbytes for a in self.k) + sum(a[:, : self.n_tokens].nbytes for a in self.v)
+        """Bytes of the n_tokens positions held, and of any recurrent state: the nbytes of :meth:`snapshot`."""
+        kv = sum(a[:, :, : self.n_tokens].nbytes for a in self.k) + sum(a[:, : self.n_tokens].nbytes for a in self.v)
+        return kv + sum(a.nbytes for a in self.state)
 
     @property
     def nbytes(self) -> int:
-        """Allocated bytes for all n_ctx positions."""
-        return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
+        """Allocated bytes for all n_ctx positions, and the recurrent state."""
+        return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v) + sum(a.nbytes for a in self.state)
+
+    def checkpoint(self) -> None:
+        """Keep a copy of the recurrent state at the current position (dropping the oldest beyond CHECKPOINTS); a
+        no-op for a cache without recurrent state, or when empty or already kept."""
+        n = self.n_tokens
+        if self.state and n and n not in self.checkpoints:
+            self.checkpoints[n] = tuple(a.copy() for a in self.state)
+            while len(self.checkpoints) > CHECKPOINTS:
+                del self.checkpoints[next(iter(self.checkpoints))]
+
+    def forwarded(self, start: int) -> None:
+        """The engine ran positions ``start``..n_tokens-1: checkpoint the state if they crossed a multiple of
+        CHECKPOINT_EVERY."""
+        if self.state and self.n_tokens // CHECKPOINT_EVERY > start // CHECKPOINT_EVERY:
+            self.checkpoint()
 
     def keep_prefix(self, tokens: Sequence[int]) -> int:
         """Keep the longest prefix of ``tokens`` this cache already holds, at most len(tokens) - 1 (the last token's
         logits are always computed), truncating what differs; returns its length. Exact: attention state at a
-        position depends only on the tokens up to it."""
+        position depends only on the tokens up to it. A cache with recurrent state keeps all it holds, or goes
+        back to its latest checkpoint within that prefix (or to empty)."""
         n = max(0, min(common_prefix(self.tokens, tokens), len(tokens) - 1))
+        if not self.truncatable and n < self.n_tokens:
+            n = max((p for p in self.checkpoints if p <= n), default=0)
         if n < self.n_tokens:
             self.truncate(n)
         return n
@@ -321,16 +366,21 @@ class KVCache:
     def truncate(self, n: int) -> None:
         """Forget positions n.. (exact: attention state at p depends only on tokens 0..p).
 
-        Raises InputError if n is negative or beyond n_tokens. Stale bytes past n are zeroed so the cache's
-        contents depend only on its tokens.
+        Raises InputError if n is negative or beyond n_tokens, or, for a cache with recurrent state, anything but
+        n_tokens, 0 (which empties it, state zeroed) or one of its checkpoints (whose state it takes). Stale bytes
+        past n are zeroed so the cache's contents depend only on its tokens.
         """
         if not 0 <= n <= self.n_tokens:
             raise InputError(f"cannot truncate a KV cache of {self.n_tokens} tokens to {n}")
-        if not self.truncatable and n != self.n_tokens:
-            raise InputError("this KV cache holds recurrent state and cannot be truncated; recompute from the start")
+        if not self.truncatable and n not in (0, self.n_tokens) and n not in self.checkpoints:
+            raise InputError("this KV cache holds recurrent state and cannot be truncated there (no checkpoint); recompute from the start")
         for k, v in zip(self.k, self.v):
             k[:, :, n : self.n_tokens] = 0
             v[:, n : self.n_tokens, :] = 0
+        if self.state and n < self.n_tokens:
+            for a, kept in zip(self.state, self.checkpoints.get(n, (0,) * len(self.state))):
+                a[...] = kept
+            self.checkpoints = {p: c for p, c in self.checkpoints.items() if p <= n}
         del self.tokens[n:]
 
     def digest(self, n: int | None = None) -> str:
@@ -340,9 +390,9 @@ class KVCache:
         then for each layer K and V as [position, n_head_kv, head_dim] little-endian bytes.
         """
         n = self.n_tokens if n is None else n
-        if not 0 <= n <= self.n_tokens:
+        if not 0 <= n <= self.n_tokens or (self.state and n != self.n_tokens):
             raise InputError(f"cannot digest {n} positions of a KV cache of {self.n_tokens}")
-        return _digest(self.kv_type, self.k, self.v, n)
+        return _digest(self.kv_type, self.k, self.v, n, self.state)
 
     def snapshot(self, n: int | None = None) -> KVSnapshot:
         """A read-only copy of positions 0..n-1 (default: all held positions), n_layer x n x 2 x kv_width numbers.
@@ -356,9 +406,10 @@ class KVCache:
             raise InputError("this KV cache holds recurrent state; only a snapshot of all its positions is possible")
         k = tuple(a[:, :, :n].copy() for a in self.k)
         v = tuple(a[:, :n, :].copy() for a in self.v)
-        for a in k + v:
+        state = tuple(a.copy() for a in self.state)
+        for a in k + v + state:
             a.flags.writeable = False  # shared by the prefix cache: nothing may change it in place
-        return KVSnapshot(self.kv_type, tuple(self.tokens[:n]), k, v)
+        return KVSnapshot(self.kv_type, tuple(self.tokens[:n]), k, v, state)
 
     def restore(self, snapshot: KVSnapshot, n: int | None = None) -> None:
         """Make this cache hold positions 0..n-1 of ``snapshot`` (default: all of it), whatever it held before.
@@ -389,4 +440,7 @@ class KVCache:
             if old > n:
                 kc[:, :, n:old] = 0
                 vc[:, n:old, :] = 0
+        for mine, theirs in zip(self.state, snapshot.state):
+            mine[...] = theirs
+        self.checkpoints = {}
         self.tokens[:] = snapshot.tokens[:n]

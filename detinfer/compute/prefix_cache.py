@@ -26,8 +26,8 @@ def _shared_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 class SnapshotStore(Protocol):
     """Where a PrefixCache keeps its snapshots beyond memory and process (records/kv_dir.py): ``candidates`` lists
-    (token ids, handle) of what it holds, ``load`` returns a handle's checked snapshot (truncatable) or None,
-    ``save`` keeps a snapshot without blocking."""
+    (token ids, handle) of what it holds, ``load`` returns a handle's checked snapshot or None,
+    ``save`` keeps a snapshot without blocking; a snapshot with recurrent state serves only its whole length."""
 
     def candidates(self) -> list[tuple[np.ndarray, Any]]: ...
 
@@ -96,7 +96,7 @@ class PrefixCache:
                 if k <= best_k:
                     break
                 snap = self.backing.load(handle)
-                if snap is not None:
+                if snap is not None and (snap.truncatable or k == snap.n_tokens):  # recurrent state: whole, or not at all
                     self._keep(snap)
                     return k, snap
         if best_key is None:

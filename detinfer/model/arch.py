@@ -32,6 +32,12 @@ class Architecture:
       window is read from ``{arch}.attention.sliding_window``.
     rope_freq_base_swa: RoPE base of the local layers (None: the same as ``{arch}.rope.freq_base``).
     query_pre_attn_scalar: attention scores are scaled by 1/sqrt of this (None: head_dim).
+    hybrid: some layers are Gated DeltaNet (recurrent-state) layers instead of attention (qwen35): layer il is
+      recurrent iff (il + 1) % ``{arch}.full_attention_interval`` != 0 (default 4); its ``ssm_*`` keys and tensors
+      are required, and ``post_attention_norm`` is the pre-FFN norm (llama.cpp src/models/qwen35.cpp).
+    attn_output_gate: attn_q also holds a gate per head ([q_h | gate_h] rows, head by head); the attention output
+      is multiplied by sigmoid(gate) before attn_output (qwen35).
+    partial_rope: RoPE rotates only the first ``{arch}.rope.dimension_count`` dims of each head (qwen35).
     """
 
     name: str
@@ -44,6 +50,9 @@ class Architecture:
     swa_pattern: int = 0
     rope_freq_base_swa: float | None = None
     query_pre_attn_scalar: float | None = None
+    hybrid: bool = False
+    attn_output_gate: bool = False
+    partial_rope: bool = False
 
 
 LLAMA = Architecture("llama", rope_style="norm")
@@ -76,4 +85,11 @@ GEMMA3 = Architecture(
     query_pre_attn_scalar=256.0,
 )
 
-ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (LLAMA, QWEN2, QWEN3, GEMMA3)}
+# Qwen3.5 dense (llama.cpp src/models/qwen35.cpp, delta-net-base.cpp; HF modeling_qwen3_5.py): Gated DeltaNet layers
+# (Yang et al. 2024, "Gated Delta Networks") with three of every four layers, gated full attention in the fourth.
+# Attention: per-head q/k RMSNorm, NeoX RoPE on the first rope.dimension_count dims (llama.cpp's IMROPE for text:
+# every position row is the token's position), a sigmoid output gate. The converter stored every norm with its +1
+# (but ssm_norm) and ssm_a as -exp(A_log).
+QWEN35 = Architecture("qwen35", rope_style="neox", qk_norm=True, hybrid=True, attn_output_gate=True, partial_rope=True)
+
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (LLAMA, QWEN2, QWEN3, GEMMA3, QWEN35)}

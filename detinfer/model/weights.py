@@ -231,14 +231,22 @@ def _runs(mf: ModelFile, names: tuple[str, ...]) -> list[list[str]]:
     return runs
 
 
-# A layer's projections: the Layer field and the tensors (after "blk.<i>.", before ".weight") whose rows it stacks.
-PROJECTIONS = {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "attn_output": ("attn_output",),
-               "ffn_gate_up": ("ffn_gate", "ffn_up"), "ffn_down": ("ffn_down",)}  # fmt: skip
+# A layer's projections: the Layer field and the tensors (after "blk.<i>.", before ".weight") whose rows it stacks,
+# for an attention layer and for a recurrent (Gated DeltaNet) one; then the FFN's, in every layer.
+ATTENTION_PROJECTIONS = {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "attn_output": ("attn_output",)}
+RECURRENT_PROJECTIONS = {"ssm_in": ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha"), "ssm_out": ("ssm_out",)}
+FFN_PROJECTIONS = {"ffn_gate_up": ("ffn_gate", "ffn_up"), "ffn_down": ("ffn_down",)}
+
+
+def _projections(cfg: ModelConfig, i: int) -> dict[str, tuple[str, ...]]:
+    """Layer i's projections: its mixer's (attention or recurrent), then its FFN's."""
+    recurrent = bool(cfg.recurrent_layers) and cfg.recurrent_layers[i]
+    return (RECURRENT_PROJECTIONS if recurrent else ATTENTION_PROJECTIONS) | FFN_PROJECTIONS
 
 
 def _matrix_names(mf: ModelFile, cfg: ModelConfig) -> list[list[str]]:
     """The tensors of every QMatrix :meth:`Weights.load` makes, in :attr:`Weights.matrices` order."""
-    names = [run for i in range(cfg.n_layer) for parts in PROJECTIONS.values()
+    names = [run for i in range(cfg.n_layer) for parts in _projections(cfg, i).values()
              for run in _runs(mf, tuple(f"blk.{i}.{part}.weight" for part in parts))]  # fmt: skip
     return names + [["token_embd.weight" if cfg.tied_embeddings else "output.weight"]]
 
@@ -299,16 +307,28 @@ class Layer:
     """
 
     attn_norm: np.ndarray  # [n_embd]
-    attn_qkv: Projection  # rows: q (n_head*head_dim), k (kv_width), v (kv_width)
-    attn_qkv_bias: np.ndarray | None  # [n_head*head_dim + 2 kv_width]: q, k, v biases concatenated (qwen2)
-    attn_q_norm: np.ndarray | None  # [head_dim], shared by all query heads (qwen3, gemma3)
-    attn_k_norm: np.ndarray | None  # [head_dim]
-    attn_output: Projection
-    post_attention_norm: np.ndarray | None  # [n_embd] (gemma3)
-    ffn_norm: np.ndarray  # [n_embd]
+    ffn_norm: np.ndarray  # [n_embd] (a hybrid model's post_attention_norm: its pre-FFN norm)
     ffn_gate_up: Projection  # rows: gate (n_ff), up (n_ff)
     ffn_down: Projection
-    post_ffw_norm: np.ndarray | None  # [n_embd] (gemma3)
+    # an attention layer (None in a recurrent one)
+    attn_qkv: Projection | None = None  # rows: q (n_head*head_dim; with an output gate [q_h | gate_h] per head), k, v
+    attn_output: Projection | None = None
+    attn_qkv_bias: np.ndarray | None = None  # [n_head*head_dim + 2 kv_width]: q, k, v biases concatenated (qwen2)
+    attn_q_norm: np.ndarray | None = None  # [head_dim], shared by all query heads (qwen3, gemma3, qwen35)
+    attn_k_norm: np.ndarray | None = None  # [head_dim]
+    post_attention_norm: np.ndarray | None = None  # [n_embd] (gemma3)
+    post_ffw_norm: np.ndarray | None = None  # [n_embd] (gemma3)
+    # a recurrent (Gated DeltaNet) layer (None in an attention one; compute/kernels.py delta_net)
+    ssm_in: Projection | None = None  # rows: q, k, v (ssm_conv_width), z (ssm_d_inner), beta (n_v_head), alpha (n_v_head)
+    ssm_out: Projection | None = None
+    ssm_conv1d: np.ndarray | None = None  # float32 [ssm_conv_width, ssm_conv_kernel]
+    ssm_dt_bias: np.ndarray | None = None  # [n_v_head]
+    ssm_a: np.ndarray | None = None  # [n_v_head], -exp(A_log) as the converter stored it
+    ssm_norm: np.ndarray | None = None  # [head_v], shared by all value heads
+
+    @property
+    def recurrent(self) -> bool:
+        return self.ssm_in is not None
 
 
 @dataclass(frozen=True)
@@ -342,15 +362,22 @@ class Weights:
 
         def layer(i: int) -> Layer:
             p = f"blk.{i}."
+            projections = {f: proj(*(f"{p}{part}.weight" for part in parts)) for f, parts in _projections(cfg, i).items()}
+            common = dict(attn_norm=vec(p + "attn_norm.weight"), ffn_norm=vec(p + ("post_attention_norm" if arch.hybrid else "ffn_norm") + ".weight"))
+            if "ssm_in" in projections:
+                if mf.tensor(p + "ssm_conv1d.weight").ggml_type != Q.F32:  # as llama.cpp's ggml_ssm_conv requires
+                    raise GGUFError(f"{mf.path.name}: tensor {p}ssm_conv1d.weight must be F32")
+                conv = mf.read_tensor(p + "ssm_conv1d.weight").view(np.float32).reshape(cfg.ssm_conv_width, cfg.ssm_conv_kernel)
+                return Layer(**common, **projections, ssm_conv1d=np.ascontiguousarray(conv), ssm_dt_bias=vec(p + "ssm_dt.bias"),
+                             ssm_a=vec(p + "ssm_a"), ssm_norm=vec(p + "ssm_norm.weight"))  # fmt: skip
             return Layer(
-                attn_norm=vec(p + "attn_norm.weight"),
+                **common,
+                **projections,
                 attn_qkv_bias=np.concatenate([vec(p + f"attn_{n}.bias") for n in "qkv"]) if arch.qkv_bias else None,
                 attn_q_norm=vec(p + "attn_q_norm.weight") if arch.qk_norm else None,
                 attn_k_norm=vec(p + "attn_k_norm.weight") if arch.qk_norm else None,
                 post_attention_norm=vec(p + "post_attention_norm.weight") if arch.post_norms else None,
-                ffn_norm=vec(p + "ffn_norm.weight"),
                 post_ffw_norm=vec(p + "post_ffw_norm.weight") if arch.post_norms else None,
-                **{f: proj(*(f"{p}{part}.weight" for part in parts)) for f, parts in PROJECTIONS.items()},
             )
 
         weights = cls(
@@ -370,7 +397,8 @@ class Weights:
     @property
     def matrices(self) -> list[QMatrix]:
         """Every repacked matrix, layer by layer, then the output."""
-        projs = [p for layer in self.layers for p in (layer.attn_qkv, layer.attn_output, layer.ffn_gate_up, layer.ffn_down)]
+        projs = [p for layer in self.layers for p in ((layer.ssm_in, layer.ssm_out) if layer.recurrent else (layer.attn_qkv, layer.attn_output))
+                 + (layer.ffn_gate_up, layer.ffn_down)]
         return [m for p in projs for m in p.mats] + [self.output]
 
     @property

@@ -1,6 +1,6 @@
 """KV snapshot files (.detkv): a KV cache's positions 0..n-1, bound to the model and tokenizer that made them.
 
-File format, version 1 (all integers little-endian)::
+File format, version 1, and version 2 for a hybrid model's cache (all integers little-endian)::
 
     offset   size        field
     0        8           magic b"DETKV\\0\\0\\0"
@@ -9,14 +9,17 @@ File format, version 1 (all integers little-endian)::
     20       H           header: canonical JSON (UTF-8, sorted keys, no spaces), see KVHeader
     20+H     pad         zero bytes up to D, the next multiple of 64 (so the arrays are aligned)
     D        data_bytes  the arrays: for layer 0..n_layer-1, K then V, each [n_tokens, n_head_kv, head_dim]
-                         in C order, little-endian float32 ("f32") or IEEE binary16 bits ("f16")
+                         in C order, little-endian float32 ("f32") or IEEE binary16 bits ("f16"); version 2
+                         then the recurrent state, each array of ``state_shapes`` in C order, float32
     D+data   32          sha256 of every byte before it (offsets 0 .. D+data_bytes-1)
 
-    data_bytes = n_layer x 2 x n_tokens x n_head_kv x head_dim x (4 for f32, 2 for f16)
+    data_bytes = n_layer x 2 x n_tokens x n_head_kv x head_dim x (4 for f32, 2 for f16) [+ 4 x the state's numbers]
 
-The array section is exactly what :meth:`KVCache.digest` hashes after its header line, so a file's KV digest
-(shown by :func:`inspect_kv`) equals the ``kv_sha256`` of the run that produced the cache. The same cache always
-gives the same file bytes.
+Version 2 differs only by the header's ``state_shapes`` (the attention layers' KV first, then per Gated DeltaNet
+layer its conv inputs and its delta-rule state, as :attr:`KVCache.state`); a cache without recurrent state is
+still written as version 1, and both are read. The array section is exactly what :meth:`KVCache.digest` hashes
+after its header line(s), so a file's KV digest (shown by :func:`inspect_kv`) equals the ``kv_sha256`` of the run
+that produced the cache. The same cache always gives the same file bytes.
 
 Files are written atomically (temp file in the same folder, fsync, rename). Loading checks the magic, the format
 version, the checksum, the header, and that the file length is exactly what the header describes, before any
@@ -47,7 +50,8 @@ from ..errors import InputError, KVFileError
 from ..fileio import atomic_writer, open_input
 
 MAGIC = b"DETKV\0\0\0"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this detinfer writes (for a cache with recurrent state) and reads
+VERSIONS = (1, 2)
 PRELUDE = struct.Struct("<8sIQ")  # magic, format version, header length
 ALIGN = 64
 CHECKSUM_BYTES = 32
@@ -58,7 +62,7 @@ _READ_CHUNK = 1 << 22
 
 
 class KVHeader(BaseModel):
-    """The JSON header of a .detkv file (format version 1)."""
+    """The JSON header of a .detkv file (format version 1, or 2 with ``state_shapes``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
@@ -72,12 +76,20 @@ class KVHeader(BaseModel):
     tokens: list[Annotated[int, Field(ge=0, lt=2**31)]]  # token id at each position 0..n_tokens-1 (int32 in the KV cache)
     byte_order: Literal["little"]
     layout: Literal[LAYOUT]
+    # version 2: the recurrent state's float32 arrays after the KV (at most 2 per layer: conv inputs, delta-rule state)
+    state_shapes: list[list[Annotated[int, Field(ge=1, lt=2**31)]]] = Field(default_factory=list, max_length=2048)
 
     @model_validator(mode="after")
     def _tokens_match(self) -> "KVHeader":
         if len(self.tokens) != self.n_tokens:
             raise ValueError(f"{len(self.tokens)} token ids for n_tokens = {self.n_tokens}")
+        if any(not 1 <= len(shape) <= 4 for shape in self.state_shapes):
+            raise ValueError("a state array has 1 to 4 dimensions")
         return self
+
+    @property
+    def version(self) -> int:
+        return 2 if self.state_shapes else 1
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -93,8 +105,12 @@ class KVHeader(BaseModel):
         return self.n_tokens * self.n_head_kv * self.head_dim * self.itemsize
 
     @property
+    def state_bytes(self) -> int:
+        return sum(4 * int(np.prod(shape)) for shape in self.state_shapes)
+
+    @property
     def data_bytes(self) -> int:
-        return self.n_layer * 2 * self.array_bytes
+        return self.n_layer * 2 * self.array_bytes + self.state_bytes
 
 
 def _data_offset(header_len: int) -> int:
@@ -120,15 +136,17 @@ def save_kv(path: str | os.PathLike, source: KVSnapshot | KVCache, *, model_sha2
         tokens=[int(t) for t in source.tokens[:n]],
         byte_order="little",
         layout=LAYOUT,
+        state_shapes=[list(a.shape) for a in source.state],
     )
-    head = json.dumps(header.model_dump(), sort_keys=True, separators=(",", ":")).encode()
+    fields = header.model_dump(exclude=set() if source.state else {"state_shapes"})  # version 1 files keep their bytes
+    head = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
     offset = _data_offset(len(head))
     h = hashlib.sha256()
     with atomic_writer(path) as f:
-        for part in (PRELUDE.pack(MAGIC, FORMAT_VERSION, len(head)), head, bytes(offset - PRELUDE.size - len(head))):
+        for part in (PRELUDE.pack(MAGIC, header.version, len(head)), head, bytes(offset - PRELUDE.size - len(head))):
             f.write(part)
             h.update(part)
-        for a in canonical_layers(source.k, source.v, n):
+        for a in [*canonical_layers(source.k, source.v, n), *(np.ascontiguousarray(s, dtype="<f4") for s in source.state)]:
             f.write(a.data)
             h.update(a.data)
         f.write(h.digest())
@@ -173,11 +191,22 @@ def load_kv(
                 a = np.array(buf.view(file_dtype).reshape(n, g, d).transpose(axes), dtype=dtype, order="C", copy=True)
                 a.flags.writeable = False
                 out.append(a)
+        state = []
+        for dims in header.state_shapes:
+            a = np.empty(dims, "<f4")
+            _read_exact(path, f, a.view(np.uint8).reshape(-1), size)
+            h.update(a.data)
+            a = a.astype(np.float32, copy=False)
+            a.flags.writeable = False
+            state.append(a)
         stored = f.read(CHECKSUM_BYTES)
     if stored != h.digest():
         raise KVFileError(f"{path}: checksum mismatch: the file is corrupt; save it again")
     _check_expected(path, header, model_sha256, tokenizer_sha256, kv_type, shape)
-    return KVSnapshot(header.kv_type, tuple(header.tokens), tuple(k), tuple(v))
+    try:
+        return KVSnapshot(header.kv_type, tuple(header.tokens), tuple(k), tuple(v), tuple(state))
+    except InputError as e:
+        raise KVFileError(f"{path}: {e}") from None
 
 
 def read_kv_header(path: str | os.PathLike) -> KVHeader:
@@ -199,7 +228,8 @@ def inspect_kv(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     with _opened(path) as (f, size):
         header, h, header_len = _read_header(path, f, size)
-        kv = hashlib.sha256(digest_prefix(header.kv_type, *header.shape, header.n_tokens))
+        kv = hashlib.sha256(digest_prefix(header.kv_type, *header.shape, header.n_tokens)
+                            + (f"recurrent {len(header.state_shapes)}\n".encode() if header.state_shapes else b""))
         remaining = header.data_bytes
         while remaining:
             block = f.read(min(_READ_CHUNK, remaining))
@@ -210,7 +240,7 @@ def inspect_kv(path: str | os.PathLike) -> dict[str, Any]:
             remaining -= len(block)
         ok = remaining == 0 and f.read(CHECKSUM_BYTES) == h.digest()
     return {
-        "format_version": FORMAT_VERSION,
+        "format_version": header.version,
         "file_bytes": size,
         "model_sha256": header.model_sha256,
         "tokenizer_sha256": header.tokenizer_sha256,
@@ -220,6 +250,7 @@ def inspect_kv(path: str | os.PathLike) -> dict[str, Any]:
         "head_dim": header.head_dim,
         "n_tokens": header.n_tokens,
         "bytes_per_token": 2 * header.n_layer * header.n_head_kv * header.head_dim * header.itemsize,
+        "state_bytes": header.state_bytes,
         "data_offset": _data_offset(header_len),
         "data_bytes": header.data_bytes,
         "checksum": "ok" if ok else "mismatch",
@@ -247,9 +278,9 @@ def _read_header(path: Path, f: BinaryIO, size: int) -> tuple[KVHeader, Any, int
     magic, version, header_len = PRELUDE.unpack(prelude)
     if magic != MAGIC:
         raise KVFileError(f"{path}: not a .detkv KV snapshot (starts with {magic!r})")
-    if version != FORMAT_VERSION:
+    if version not in VERSIONS:
         raise KVFileError(
-            f"{path}: .detkv format version {version}; this detinfer reads version {FORMAT_VERSION}"
+            f"{path}: .detkv format version {version}; this detinfer reads versions {', '.join(map(str, VERSIONS))}"
             + ("; upgrade detinfer" if version > FORMAT_VERSION else "; save it again")
         )
     problem, header = None, None
@@ -265,6 +296,8 @@ def _read_header(path: Path, f: BinaryIO, size: int) -> tuple[KVHeader, Any, int
             where = ".".join(str(x) for x in err["loc"]) or "header"
             problem = f"invalid header: {where}: {err['msg']}"
     offset = _data_offset(header_len)
+    if header is not None and header.version != version:
+        problem, header = f"a version {version} file whose header is version {header.version}'s", None
     if header is not None:
         expected = offset + header.data_bytes + CHECKSUM_BYTES
         if size != expected:

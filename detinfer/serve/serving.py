@@ -97,7 +97,7 @@ class Server:
             cfg = engine.config
             kv_dir = KVDir(settings.kv_dir, settings.kv_dir_bytes, model_sha256=engine.model_file.sha256,
                            tokenizer_sha256=engine.tokenizer.hash, kv_type=engine.kv_type,
-                           shape=(cfg.n_layer, cfg.n_head_kv, cfg.head_dim))  # fmt: skip
+                           shape=(cfg.n_attn_layer, cfg.n_head_kv, cfg.head_dim))  # fmt: skip
         self.worker = Worker(engine, threads=settings.threads, cache_bytes=settings.cache_bytes,
                              record_dir=settings.record_dir, chat_template=settings.chat_template, drain_s=STOP_S,
                              kv_dir=kv_dir, speculate=check_speculate(settings.speculate), batch=settings.batch)  # fmt: skip
