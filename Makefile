@@ -100,11 +100,14 @@ $(PEERS_DIR)/llama-cpp-%/BUILD: | $(STAMP)
 	echo 'llama-cpp-python $(LLAMA_CPP_VERSION) $(PEER_HOW_$(PEER_MODE))' > $(@D).tmp/BUILD
 	mv $(@D).tmp $(@D)
 
-# The synthetic Llama-3.2-1B-shaped models (bench/synth_model.py; about 2.1 GB, written once, checked by sha256).
+# The synthetic Llama-3.2-1B-shaped and Qwen3.5-0.8B-shaped (qwen35) models (bench/synth_model.py; about 3.4 GB,
+# written once, checked by sha256).
 BENCH_HOME := $(or $(DETINFER_HOME),$(HOME)/.cache/detinfer)/bench
-LARGE_MODELS := $(BENCH_HOME)/synthetic-llama-1b-q4_k_m.gguf $(BENCH_HOME)/synthetic-llama-1b-q8_0.gguf
+LARGE_MODELS := $(BENCH_HOME)/synthetic-llama-1b-q4_k_m.gguf $(BENCH_HOME)/synthetic-llama-1b-q8_0.gguf \
+	$(BENCH_HOME)/synthetic-qwen35-0.8b-q4_k_m.gguf $(BENCH_HOME)/synthetic-qwen35-0.8b-q8_0.gguf
 bench-models: $(STAMP)
 	$(BIN)/python bench/synth_model.py --dir $(BENCH_HOME)
+	$(BIN)/python bench/synth_model.py --shape qwen35-0.8b --dir $(BENCH_HOME)
 
 # Both models on both ISAs side by side with llama.cpp, the host-only figures, the 1B-class pass (two runs per figure,
 # about 13 min) and the KV-cache curve; about 60 min on an otherwise idle 2-core machine, plus the peer builds the

@@ -29,6 +29,12 @@ Tokenizer: byte-level BPE (``gpt2``, pre-tokenizer ``llama-bpe``) of n_vocab tok
 
 Deterministic: one numpy PCG64 stream seeded with ``seed``, tensors in a fixed order, so the same seed and
 shape write the same bytes.
+
+``--shape qwen35-0.8b`` (:data:`QWEN35_08B`) writes ``synthetic-qwen35-0.8b-<mix>.gguf`` instead: architecture
+qwen35 shaped like Qwen3.5-0.8B (24 layers, every fourth gated full attention: n_embd 1024, n_ff 3584, 8 heads, 2 KV
+heads of 256, RoPE on 64 dims, base 1e7; 18 Gated DeltaNet layers of 16 key and 16 value heads of 128, conv kernel
+4; n_vocab 248320, tied), with the same kind of random block bytes, F32 conv weights and norms, and ssm_a =
+-exp(small normal) (a decay, as llama.cpp's converter stores it).
 """
 
 from __future__ import annotations
@@ -78,9 +84,22 @@ class Shape:
     n_ctx_train: int = 131072
     rope_freq_base: float = 500000.0
     rms_norm_eps: float = 1e-5
+    arch: str = "llama"
+    # qwen35 only: every interval-th layer attention, the others Gated DeltaNet; RoPE dims; the recurrence's heads
+    interval: int = 0
+    n_rot: int = 0
+    ssm_conv_kernel: int = 0
+    ssm_n_k_head: int = 0
+    ssm_n_v_head: int = 0
+    ssm_head: int = 0
 
 
 LLAMA_1B = Shape()
+QWEN35_08B = Shape(n_layer=24, n_embd=1024, n_ff=3584, n_head=8, n_head_kv=2, head_dim=256, n_vocab=248320, n_ctx_train=262144,
+                   rope_freq_base=1e7, rms_norm_eps=1e-6, arch="qwen35", interval=4, n_rot=64, ssm_conv_kernel=4,
+                   ssm_n_k_head=16, ssm_n_v_head=16, ssm_head=128)  # fmt: skip
+SHAPES = {"llama-1b": LLAMA_1B, "qwen35-0.8b": QWEN35_08B}
+_QWEN35_FIELDS = ("arch", "interval", "n_rot", "ssm_conv_kernel", "ssm_n_k_head", "ssm_n_v_head", "ssm_head")
 
 
 def use_more_bits(i_layer: int, n_layer: int) -> bool:
@@ -100,6 +119,8 @@ def tensor_plan(mix: str, shape: Shape) -> dict[str, tuple[tuple[int, ...], str]
 
     plan = {"token_embd.weight": ((shape.n_vocab, shape.n_embd), mat("token_embd")),
             "output_norm.weight": ((shape.n_embd,), "F32")}
+    if shape.arch == "qwen35":
+        return plan | _qwen35_plan(shape, mat)
     for i in range(shape.n_layer):
         p = f"blk.{i}."
         for name, dims in (("attn_norm", (shape.n_embd,)), ("attn_q", (q, shape.n_embd)), ("attn_k", (kv, shape.n_embd)),
@@ -110,6 +131,30 @@ def tensor_plan(mix: str, shape: Shape) -> dict[str, tuple[tuple[int, ...], str]
     return plan
 
 
+def _qwen35_plan(shape: Shape, mat) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The layers of a qwen35 file (llama.cpp src/models/qwen35.cpp): gated attention (attn_q holds [q_h | gate_h]
+    per head) every ``interval``-th layer, Gated DeltaNet in the others; post_attention_norm is the pre-FFN norm."""
+    d, q, kv = shape.n_embd, shape.n_head * shape.head_dim, shape.n_head_kv * shape.head_dim
+    inner, n_v = shape.ssm_n_v_head * shape.ssm_head, shape.ssm_n_v_head
+    conv = 2 * shape.ssm_n_k_head * shape.ssm_head + inner
+    plan = {}
+    for i in range(shape.n_layer):
+        p = f"blk.{i}."
+        if (i + 1) % shape.interval == 0:
+            mixer = (("attn_q", (2 * q, d)), ("attn_k", (kv, d)), ("attn_v", (kv, d)), ("attn_output", (d, q)),
+                     ("attn_q_norm", (shape.head_dim,)), ("attn_k_norm", (shape.head_dim,)))  # fmt: skip
+        else:
+            mixer = (("attn_qkv", (conv, d)), ("attn_gate", (inner, d)), ("ssm_beta", (n_v, d)), ("ssm_alpha", (n_v, d)),
+                     ("ssm_conv1d", (conv, shape.ssm_conv_kernel)), ("ssm_dt", (n_v,)), ("ssm_a", (n_v,)),
+                     ("ssm_norm", (shape.ssm_head,)), ("ssm_out", (d, inner)))  # fmt: skip
+        for name, dims in (("attn_norm", (d,)), *mixer, ("post_attention_norm", (d,)), ("ffn_gate", (shape.n_ff, d)),
+                           ("ffn_up", (shape.n_ff, d)), ("ffn_down", (d, shape.n_ff))):  # fmt: skip
+            suffix = {"ssm_a": "", "ssm_dt": ".bias"}.get(name, ".weight")
+            small = len(dims) == 1 or name in ("ssm_conv1d", "ssm_beta", "ssm_alpha")  # F32 (conv: llama.cpp requires it)
+            plan[p + name + suffix] = (dims, "F32" if small else mat(name, i))
+    return plan
+
+
 def vocabulary(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
     """(tokens, token types, merges) of the byte-level BPE described in the module docstring."""
     n_pieces = n_vocab - 256 - N_CONTROL
@@ -117,10 +162,11 @@ def vocabulary(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
         raise ValueError(f"n_vocab {n_vocab} is below the {256 + N_CONTROL} byte and control tokens")
     letters = string.ascii_letters
     pairs = [a + b for a in letters for b in letters]
-    pieces = list(itertools.islice(itertools.chain(pairs, (p + c for p in pairs for c in letters)), n_pieces))
+    triples = (p + c for p in pairs for c in letters)
+    pieces = list(itertools.islice(itertools.chain(pairs, triples, (p + c + e for p in pairs for c in letters for e in letters)), n_pieces))
     if len(pieces) < n_pieces:
         raise ValueError(f"n_vocab {n_vocab} needs more letter pieces than the {len(pieces)} this vocabulary makes")
-    merges = [f"{p[:-1]} {p[-1]}" if len(p) == 3 else f"{p[0]} {p[1]}" for p in pieces]
+    merges = [f"{p[:-1]} {p[-1]}" if len(p) >= 3 else f"{p[0]} {p[1]}" for p in pieces]
     control = ["<|begin_of_text|>", "<|end_of_text|>"] + [f"<|reserved_special_token_{i}|>" for i in range(N_CONTROL - 2)]
     control[9] = "<|eot_id|>"
     tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + pieces + control
@@ -128,18 +174,23 @@ def vocabulary(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
-def _tensor(dims: tuple[int, ...], kind: str, rng: np.random.Generator) -> np.ndarray:
-    """F32 norm weights near 1, or raw block bytes uint8 [n_out, row_bytes] of a quantized type."""
+def _tensor(name: str, dims: tuple[int, ...], kind: str, rng: np.random.Generator) -> np.ndarray:
+    """F32 norm weights near 1 (qwen35's other F32 tensors: small; ssm_a negative), or raw block bytes uint8
+    [n_out, row_bytes] of a quantized type."""
     if kind == "F32":
-        return (1.0 + 0.1 * rng.standard_normal(dims)).astype(np.float32)
+        if name.endswith("norm.weight"):
+            return (1.0 + 0.1 * rng.standard_normal(dims)).astype(np.float32)
+        w = (0.1 * rng.standard_normal(dims)).astype(np.float32)
+        return -np.exp(w) if name.endswith("ssm_a") else w
     return synthetic_rows(kind, dims[0], dims[1], rng, SCALES[kind])
 
 
 def _write(path: Path, mix: str, shape: Shape, seed: int) -> None:
     tokens, types, merges = vocabulary(shape.n_vocab)
     plan = tensor_plan(mix, shape)
-    writer = GGUFWriter(None, "llama")
-    writer.add_name(f"synthetic llama 1B-class {mix} (seed {seed}; random weights, for speed only)")
+    writer = GGUFWriter(None, shape.arch)
+    writer.add_name(f"synthetic {shape.arch} {'1B-class' if shape.arch == 'llama' else '0.8B-shaped'} {mix} (seed {seed}; "
+                    "random weights, for speed only)")  # fmt: skip
     writer.add_file_type(int(FILE_TYPES[mix]))
     writer.add_context_length(shape.n_ctx_train)
     writer.add_embedding_length(shape.n_embd)
@@ -149,7 +200,15 @@ def _write(path: Path, mix: str, shape: Shape, seed: int) -> None:
     writer.add_head_count_kv(shape.n_head_kv)
     writer.add_key_length(shape.head_dim)
     writer.add_value_length(shape.head_dim)
-    writer.add_rope_dimension_count(shape.head_dim)
+    writer.add_rope_dimension_count(shape.n_rot or shape.head_dim)
+    if shape.arch == "qwen35":  # llama.cpp's qwen35 keys (M-RoPE sections that reduce to NeoX RoPE for text)
+        writer.add_uint32("qwen35.full_attention_interval", shape.interval)
+        writer.add_array("qwen35.rope.dimension_sections", [11, 11, 10, 0])
+        writer.add_uint32("qwen35.ssm.conv_kernel", shape.ssm_conv_kernel)
+        writer.add_uint32("qwen35.ssm.state_size", shape.ssm_head)
+        writer.add_uint32("qwen35.ssm.group_count", shape.ssm_n_k_head)
+        writer.add_uint32("qwen35.ssm.time_step_rank", shape.ssm_n_v_head)
+        writer.add_uint32("qwen35.ssm.inner_size", shape.ssm_n_v_head * shape.ssm_head)
     writer.add_rope_freq_base(shape.rope_freq_base)
     writer.add_layer_norm_rms_eps(shape.rms_norm_eps)
     writer.add_vocab_size(shape.n_vocab)
@@ -166,7 +225,7 @@ def _write(path: Path, mix: str, shape: Shape, seed: int) -> None:
     for name, (dims, kind) in plan.items():
         qtype = GGMLQuantizationType[kind]
         if kind == "F32":
-            writer.add_tensor_info(name, dims, np.dtype(np.float32), 4 * dims[0])
+            writer.add_tensor_info(name, dims, np.dtype(np.float32), 4 * int(np.prod(dims)))
         else:
             block, size = GGML_QUANT_SIZES[qtype]
             writer.add_tensor_info(name, (dims[0], dims[1] // block * size), np.dtype(np.uint8),
@@ -177,14 +236,14 @@ def _write(path: Path, mix: str, shape: Shape, seed: int) -> None:
             writer.write_header_to_file(tmp)
             writer.write_kv_data_to_file()
             writer.write_ti_data_to_file()
-            for dims, kind in plan.values():  # one tensor in memory at a time
-                writer.write_tensor_data(_tensor(dims, kind, rng))
+            for name, (dims, kind) in plan.items():  # one tensor in memory at a time
+                writer.write_tensor_data(_tensor(name, dims, kind, rng))
         finally:
             writer.close()
 
 
-def model_path(folder: Path, mix: str) -> Path:
-    return folder / f"synthetic-llama-1b-{mix}.gguf"
+def model_path(folder: Path, mix: str, shape: str = "llama-1b") -> Path:
+    return folder / f"synthetic-{shape}-{mix}.gguf"
 
 
 def write_model(path: str | Path, mix: str, *, seed: int = 0, shape: Shape = LLAMA_1B) -> bool:
@@ -196,7 +255,9 @@ def write_model(path: str | Path, mix: str, *, seed: int = 0, shape: Shape = LLA
         raise ValueError(f"unknown mix {mix!r}; known: {', '.join(MIXES)}")
     path = Path(path)
     record_path = path.with_name(path.name + ".json")
-    params = {"format": FORMAT, "mix": mix, "seed": seed, "shape": asdict(shape)}
+    # the qwen35 fields only where set: the llama files' records (written before they existed) stay up to date
+    fields = {k: v for k, v in asdict(shape).items() if k in asdict(LLAMA_1B) and (k not in _QWEN35_FIELDS or v != asdict(LLAMA_1B)[k])}
+    params = {"format": FORMAT, "mix": mix, "seed": seed, "shape": fields}
     try:
         record = json.loads(record_path.read_text())
         if record["params"] == params and sha256_file(path) == record["sha256"]:
@@ -212,13 +273,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mix", default=",".join(MIXES), help="comma-separated mixes to write")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shape", choices=list(SHAPES), default="llama-1b")
     ap.add_argument("--dir", type=Path, default=None, help="output folder (default: $DETINFER_HOME/bench)")
     args = ap.parse_args()
     folder = args.dir or detinfer_home() / "bench"
     try:
         for mix in args.mix.split(","):
-            path = model_path(folder, mix)
-            wrote = write_model(path, mix, seed=args.seed)
+            path = model_path(folder, mix, args.shape)
+            wrote = write_model(path, mix, seed=args.seed, shape=SHAPES[args.shape])
             print(f"{path}: {'written' if wrote else 'up to date'}")
     except (ValueError, DetinferError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -329,6 +329,26 @@ def test_synthetic_model_loads_runs_and_is_reproducible(tmp_path, mix):
     assert synth_model.write_model(path, mix, seed=3, shape=TINY) and _sha256(path) == _sha256(again)
 
 
+TINY_QWEN35 = synth_model.Shape(n_layer=4, n_embd=256, n_ff=512, n_head=2, n_head_kv=1, head_dim=64, n_vocab=1024,
+                                n_ctx_train=256, rope_freq_base=1e7, rms_norm_eps=1e-6, arch="qwen35", interval=2, n_rot=16,
+                                ssm_conv_kernel=4, ssm_n_k_head=2, ssm_n_v_head=2, ssm_head=32)  # fmt: skip
+
+
+def test_synthetic_qwen35_model_loads_and_runs_as_one_token_at_a_time(tmp_path):
+    path = tmp_path / "q.gguf"
+    assert synth_model.write_model(path, "q8_0", seed=1, shape=TINY_QWEN35)
+    engine = Engine.load(path, n_ctx=64)
+    cfg = engine.config
+    assert (cfg.arch, cfg.recurrent_layers, cfg.n_rot, cfg.ssm_conv_width) == ("qwen35", (True, False, True, False), 16, 192)
+    ids = bench.random_ids(cfg.n_vocab, 12)
+    logits = engine.forward(ids, engine.new_cache(), all_logits=True)
+    cache = engine.new_cache()
+    assert np.isfinite(logits).all() and logits.std() > 0
+    assert np.stack([engine.forward([t], cache) for t in ids]).tobytes() == logits.tobytes()
+    assert synth_model.write_model(tmp_path / "l.gguf", "q8_0", seed=3, shape=TINY)  # the llama record keeps its fields
+    assert "arch" not in json.loads((tmp_path / "l.gguf.json").read_text())["params"]["shape"]
+
+
 def test_synthetic_q4_k_m_mix_is_llama_cpps():
     plan = synth_model.tensor_plan("q4_k_m", synth_model.LLAMA_1B)
     six = {int(n.split(".")[1]) for n, (_, kind) in plan.items() if kind == "Q6_K" and n.endswith("attn_v.weight")}

@@ -590,12 +590,12 @@ def delta_net(inp, conv_w, dt_bias, a, norm_w, conv_state, state, n_k_head, eps,
     inp: float32 [T, C + d_inner + 2 H], per token the projections q | k | v (C conv channels: n_k_head x head_k
     twice, then H x head_v), z (d_inner = H x head_v), b (H), a_in (H); conv_w: [C, K]; dt_bias, a: [H] (a stored
     as -exp(A_log)); norm_w: [head_v]; conv_state: [C, K - 1], the last K - 1 inputs, oldest first; state:
-    [H, head_v, head_k], row m of head j being S_j[:, m]; out: float32 [T, d_inner]. Per token:
+    [H, head_k, head_v], S_j[i, m] (key i, value m: HF's layout); out: float32 [T, d_inner]. Per token:
     y_c = silu(sum over i < K of win_i * conv_w[c, i]), win = (conv_state[c], x_c), i in increasing order, and
     conv_state[c] <- win[1:]; value head j reads q and k of key head j % n_k_head (llama.cpp's order) and
     divides each by max(||.||, eps); beta = sigmoid(b_j); g = softplus(a_in_j + dt_bias_j) * a_j with
-    softplus(x) = x above 20, else log32(1 + exp32(x)); S_j *= exp32(g); d_m = (v_m - sum_i S_j[m, i] k_i) * beta;
-    S_j[m, i] += d_m * k_i; o_m = (sum_i S_j[m, i] q_i) * (1 / sqrt(head_v)); out_j = rmsnorm(o) * norm_w *
+    softplus(x) = x above 20, else log32(1 + exp32(x)); S_j *= exp32(g); d_m = (v_m - sum_i S_j[i, m] k_i) * beta;
+    S_j[i, m] += d_m * k_i; o_m = (sum_i S_j[i, m] q_i) * (1 / sqrt(head_v)); out_j = rmsnorm(o) * norm_w *
     silu(z_j) (:func:`rmsnorm`'s order, eps). Every sum runs left to right in float32. Parallel over conv channels
     and over value heads (each owns its rows of the state) only: the same bytes at any thread count.
     """
@@ -635,19 +635,24 @@ def delta_net(inp, conv_w, dt_bias, a, norm_w, conv_state, state, n_k_head, eps,
             g = (u if u > np.float32(20.0) else log32(one + exp32(u))) * a[j]
             decay = exp32(g)
             s = state[j]
-            o = np.empty(dv, np.float32)
+            # i outer, m inner: every sum over i still runs in increasing i for each m, while the m lanes vectorize
+            kv = np.zeros(dv, np.float32)
+            for i in range(dk):
+                ki, row = y[ko + i] * ks, s[i]
+                for m in range(dv):
+                    row[m] *= decay
+                    kv[m] += row[m] * ki
+            d = np.empty(dv, np.float32)
             for m in range(dv):
-                sm = s[m]
-                kv = np.float32(0.0)
-                for i in range(dk):
-                    sm[i] *= decay
-                    kv += sm[i] * (y[ko + i] * ks)
-                d = (y[vo + m] - kv) * beta
-                om = np.float32(0.0)
-                for i in range(dk):
-                    sm[i] += d * (y[ko + i] * ks)
-                    om += sm[i] * (y[qo + i] * qs)
-                o[m] = om * scale
+                d[m] = (y[vo + m] - kv[m]) * beta
+            o = np.zeros(dv, np.float32)
+            for i in range(dk):
+                ki, qi, row = y[ko + i] * ks, y[qo + i] * qs, s[i]
+                for m in range(dv):
+                    row[m] += d[m] * ki
+                    o[m] += row[m] * qi
+            for m in range(dv):
+                o[m] *= scale
             ss = np.float32(0.0)
             for m in range(dv):
                 ss += o[m] * o[m]

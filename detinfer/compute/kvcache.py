@@ -296,11 +296,11 @@ class KVCache:
         self.k = [block[i].reshape(cfg.n_head_kv, cfg.head_dim, n_ctx) for i in range(n_layer)]
         self.v = [block[n_layer + i].reshape(cfg.n_head_kv, n_ctx, cfg.head_dim) for i in range(n_layer)]
         # per recurrent layer (in layer order): the conv's last K - 1 inputs [ssm_conv_width, K - 1] (oldest first),
-        # then the delta-rule state [n_v_head, head_v, head_k] (llama.cpp's layout: row m of head h is S_h[:, m])
+        # then the delta-rule state [n_v_head, head_k, head_v] (S_h[i, m]: key i, value m)
         self.state: list[np.ndarray] = []
         for _ in range(sum(cfg.recurrent_layers)):
             self.state += [np.zeros((cfg.ssm_conv_width, cfg.ssm_conv_kernel - 1), np.float32),
-                           np.zeros((cfg.ssm_n_v_head, cfg.ssm_head_v, cfg.ssm_head_k), np.float32)]  # fmt: skip
+                           np.zeros((cfg.ssm_n_v_head, cfg.ssm_head_k, cfg.ssm_head_v), np.float32)]  # fmt: skip
         # attention layers only: truncating to k < n_tokens is exact; a recurrent state only to its checkpoints
         self.truncatable = not self.state
         self.checkpoints: dict[int, tuple[np.ndarray, ...]] = {}  # position -> copy of the state after that many tokens
