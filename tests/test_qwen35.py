@@ -19,16 +19,20 @@ import pytest
 from cli_helpers import cli
 from gguf_factory import write_tiny_gguf
 
+from detinfer.compute import generate as generate_module
 from detinfer.compute import kernels, kvcache
 from detinfer.compute.engine import Engine
+from detinfer.compute.generate import GenerationResult, generate
+from detinfer.compute.sampling import Sampling
 from detinfer.compute.threads import fixed_threads
 from detinfer.errors import ConfigError, InputError, KVFileError
 from detinfer.records.kvfile import inspect_kv, load_kv, save_kv
 
 TOKENS = [(7 * i + 3) % 299 for i in range(90)]  # 90 positions: past one 64-token chunk
 LLAMACPP_F32_BOUND = 1e-4  # max |logit| difference with F32 weights and an F32 KV cache (measured 2.8e-5)
-# Quantized weights: llama.cpp's argmax is ours at >= 95% of the steps where it leads its second choice by NEAR_TIE
-# (measured over the 90 steps, all counted: Q8_0 96.7%, Q4_0 95.6%, Q4_1 94.4%, every miss a lead below 0.18)
+# F16 and quantized weights: llama.cpp's argmax is ours at >= 95% of the steps where it leads its second choice by
+# NEAR_TIE (measured over the 90 steps, all counted: F16 98.9%, Q8_0 96.7%, Q4_0 95.6%, Q4_1 94.4%, every miss a lead
+# below 0.18)
 NEAR_TIE = 0.1
 
 
@@ -155,6 +159,74 @@ def test_negative_control_a_checkpoint_one_token_late_is_detected(engine):
     assert (engine.forward(branch[40:], cache).tobytes(), cache.digest()) != _fresh(engine, branch)
 
 
+SPECULATED = {"greedy": Sampling(max_tokens=48, ignore_eos=True), "t0.8": Sampling(max_tokens=48, temperature=0.8, seed=2, ignore_eos=True),
+              "stops inside a window": Sampling(max_tokens=48, temperature=0.8, seed=5, ignore_eos=True)}  # fmt: skip
+
+
+def _decoded(engine: Engine, prompt: list[int], sampling: Sampling, speculate: str | None) -> GenerationResult:
+    res = GenerationResult()
+    for _ in generate(engine, prompt, sampling, result=res, speculate=speculate, logprobs_k=2):
+        pass
+    return res
+
+
+def _bytes_of(res: GenerationResult) -> tuple:
+    return res.tokens, res.text, res.stop_reason, res.digests, res.top, res.logprobs, res.kv_sha256
+
+
+@pytest.mark.parametrize("name", list(SPECULATED))
+def test_speculation_rolls_the_state_back_to_the_draft_window_with_the_bytes_of_plain_decoding(engine, name, monkeypatch):
+    """Random tiny weights repeat nothing prompt lookup could find, so an oracle drafter proposes the plain run's
+    next tokens with every other draft's last token wrong: windows taken whole, and rejections after some of a
+    window was taken, whose recurrent state goes back to the window's mark and runs the taken tokens again."""
+    sampling, prompt = SPECULATED[name], TOKENS[:30]
+    longer = want = _decoded(engine, prompt, sampling, None)
+    if name == "stops inside a window":  # a stop string in the middle: the last Step comes with drafts past it
+        sampling = sampling.model_copy(update={"stop": (want.text[len(want.text) // 2 :][:3],)})
+        want = _decoded(engine, prompt, sampling, None)
+        assert want.stop_reason == "stop" and len(want.tokens) < len(longer.tokens)
+    finals = []
+    original = generate_module.Decoding._finish
+    monkeypatch.setattr(generate_module.Decoding, "_finish", lambda self, step: (finals.append(self._final is step), original(self, step))[1])
+
+    class Oracle:
+        def __init__(self, history: list[int]):
+            self.history, self.calls = history, 0
+
+        def draft(self, k: int) -> list[int]:
+            self.calls += 1
+            done = len(self.history) - len(prompt)
+            guess = list(longer.tokens[done : done + k])
+            if guess and self.calls % 2:
+                guess[-1] = (guess[-1] + 1) % engine.config.n_vocab
+            return guess
+
+    monkeypatch.setattr(generate_module, "NgramDrafter", Oracle)
+    got = _decoded(engine, prompt, sampling, "ngram")
+    assert 0 < got.accepted_tokens < got.draft_tokens  # drafts taken, and rejected after part of a window was taken
+    assert _bytes_of(got) == _bytes_of(want)
+    assert finals == [name == "stops inside a window"]  # there, the cache is finished one forward after the last Step
+
+
+def test_negative_control_a_rollback_that_skips_running_the_taken_tokens_again_is_detected(engine, monkeypatch):
+    sampling, prompt = SPECULATED["greedy"], TOKENS[:30]
+    want = _decoded(engine, prompt, sampling, None)
+
+    class Oracle:
+        def __init__(self, history: list[int]):
+            self.history = history
+
+        def draft(self, k: int) -> list[int]:
+            done = len(self.history) - len(prompt)
+            guess = list(want.tokens[done : done + max(k, 2)])
+            return guess[:-1] + [(guess[-1] + 1) % engine.config.n_vocab] if len(guess) > 1 else guess
+
+    original = generate_module.Decoding._rollback
+    monkeypatch.setattr(generate_module, "NgramDrafter", Oracle)
+    monkeypatch.setattr(generate_module.Decoding, "_rollback", lambda self, position: original(self, position)[:-1])
+    assert _bytes_of(_decoded(engine, prompt, sampling, "ngram")) != _bytes_of(want)
+
+
 def test_a_detkv_file_carries_the_state(engine, tmp_path):
     cache = engine.new_cache()
     engine.forward(TOKENS[:40], cache)
@@ -184,6 +256,7 @@ def test_info_shows_the_kv_and_the_recurrent_state(q35, tmp_path):
     assert "n_layer = 4 (2 attention, 2 Gated DeltaNet)" in r.stdout
     assert "2 × (3 × 96 + 2 × 16 × 16) × 4 = 6,400 bytes" in r.stdout  # conv 2·2·16 + 2·16 channels; 16x16 states
     assert "│ f32     │ 1,024 " in r.stdout  # 2 attention layers × 2 × 64 × 4 bytes per position
+    assert "at most 4 × 6,400 = 25,600 bytes" in r.stdout and "0, 2 (Gated DeltaNet); n_rot 16" in r.stdout
 
 
 def test_run_verify_and_a_session_replay_end_to_end(q35, tmp_path):
@@ -206,11 +279,10 @@ def test_run_verify_and_a_session_replay_end_to_end(q35, tmp_path):
         assert (rows[1]["reused_tokens"] > 0) == (not extra)  # turn 2 continues turn 1's cache, or recomputes
 
 
-def test_the_server_answers_alone_and_beside_others_with_the_bytes_of_generate(engine):
+@pytest.mark.parametrize("speculate", [None, "ngram"])
+def test_the_server_answers_alone_and_beside_others_with_the_bytes_of_generate(engine, speculate):
     from fastapi.testclient import TestClient
 
-    from detinfer.compute.generate import GenerationResult, generate
-    from detinfer.compute.sampling import Sampling
     from detinfer.serve.app import create_app
     from detinfer.serve.serving import ServerSettings
 
@@ -221,7 +293,7 @@ def test_the_server_answers_alone_and_beside_others_with_the_bytes_of_generate(e
         for _ in generate(engine, engine.tokenizer.encode(text), Sampling(max_tokens=16, temperature=0.8, seed=3, ignore_eos=True), result=res):
             pass
         want.append((res.text, res.kv_sha256))
-    with TestClient(create_app(engine, ServerSettings(aliases=("m",), threads=1, batch=4))) as client:
+    with TestClient(create_app(engine, ServerSettings(aliases=("m",), threads=1, batch=4, speculate=speculate))) as client:
         def ask(text: str):
             r = client.post("/v1/completions", json={"model": "m", "prompt": text, "max_tokens": 16, "temperature": 0.8, "seed": 3,
                                                      "ignore_eos": True})  # fmt: skip
@@ -241,7 +313,17 @@ def _llama_cpp():
     return Llama
 
 
-@pytest.mark.parametrize("matrix_type", ["F32", "Q8_0", "Q4_1"])
+def test_the_qwen35_pre_tokenizer_splits_as_llamacpp(tmp_path):
+    """Qwen3.5's ``tokenizer.ggml.pre = "qwen35"``: qwen2's split with combining marks kept inside letter runs."""
+    Llama = _llama_cpp()
+    path = write_tiny_gguf(tmp_path / "q.gguf", architecture="qwen35", pre="qwen35")
+    llm = Llama(model_path=str(path), vocab_only=True, verbose=False)
+    engine = Engine.load(path, n_ctx=64)
+    for text in ["Hello world, it's 2026!", "café naïve re\u0301sume\u0301 x\u0308y", "a\n\n  b\tc  ", "नमस्ते दुनिया", "𝒳 \u0301lead"]:
+        assert engine.tokenizer.encode(text) == llm.tokenize(text.encode(), add_bos=False, special=False), repr(text)
+
+
+@pytest.mark.parametrize("matrix_type", ["F32", "F16", "Q8_0", "Q4_1"])
 def test_engine_agrees_with_llamacpp(tmp_path, matrix_type):
     Llama = _llama_cpp()
     path = write_tiny_gguf(tmp_path / "q35.gguf", architecture="qwen35", matrix_type=matrix_type)
@@ -255,7 +337,8 @@ def test_engine_agrees_with_llamacpp(tmp_path, matrix_type):
     ours = engine.forward(TOKENS, engine.new_cache(), all_logits=True)
     if matrix_type == "F32":
         assert np.abs(ours - theirs).max() <= LLAMACPP_F32_BOUND, np.abs(ours - theirs).max()
-    else:  # both quantize activations to 8-bit blocks; random tiny weights give near-ties, where rounding decides
+    else:  # llama.cpp rounds activations to f16 (F16) or 8-bit blocks, as we do for the quantized ones; the random
+        # tiny weights give near-ties, where rounding decides
         top2 = np.sort(theirs, axis=1)[:, -2:]
         decided = top2[:, 1] - top2[:, 0] >= NEAR_TIE
         agree = ours.argmax(1) == theirs.argmax(1)

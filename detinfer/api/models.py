@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ..compute.kvcache import KV_TYPES, kv_bytes_per_number
+from ..compute.kvcache import CHECKPOINT_EVERY, CHECKPOINTS, KV_TYPES, kv_bytes_per_number
 from ..errors import InputError
 from ..model.config import ModelConfig
 from ..model.gguf_file import ModelFile
@@ -33,9 +33,19 @@ class ModelInfo:
     kv: dict[str, tuple[int, int]]
 
     @property
+    def checkpoints(self) -> tuple[int, int, int]:
+        """A hybrid model's state checkpoints: (kept per cache, positions between two, their bytes at most)."""
+        return CHECKPOINTS, CHECKPOINT_EVERY, CHECKPOINTS * self.config.state_bytes
+
+    @property
     def config_rows(self) -> list[tuple[str, str]]:
         cfg = self.config
         rows = [(f, str(getattr(cfg, f))) for f in CONFIG_FIELDS]
+        if cfg.state_bytes:
+            rec = [str(i) for i, r in enumerate(cfg.recurrent_layers) if r]
+            rows += [("recurrent layers", f"{', '.join(rec)} (Gated DeltaNet); n_rot {cfg.n_rot}"),
+                     ("ssm", f"conv_kernel {cfg.ssm_conv_kernel}, n_k_head {cfg.ssm_n_k_head}, n_v_head {cfg.ssm_n_v_head}, "
+                             f"head_k {cfg.ssm_head_k}, head_v {cfg.ssm_head_v}")]  # fmt: skip
         if cfg.sliding_window:
             local = [str(i) for i, swa in enumerate(cfg.swa_layers) if not swa]
             rows.append(("sliding_window", f"{cfg.sliding_window} (local layers: rope_freq_base {cfg.rope_freq_base_swa}; "

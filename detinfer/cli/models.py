@@ -67,6 +67,9 @@ def info(
         out.print(f"recurrent state = Gated DeltaNet layers × ((K − 1) × conv_width + n_v_head × head_v × head_k) × 4 bytes = "
                   f"{n_rec} × ({K - 1} × {conv} + {h} × {dv} × {dk}) × 4 = {cfg.state_bytes:,} bytes "
                   f"({cfg.state_bytes / 2**20:.1f} MiB) per sequence, whatever its length", soft_wrap=True)  # fmt: skip
+        kept, every, budget = mi.checkpoints
+        out.print(f"state checkpoints: the {kept} latest per cache (after each prompt, at each turn's end, every {every} "
+                  f"positions), at most {kept} × {cfg.state_bytes:,} = {budget:,} bytes", soft_wrap=True)
 
 
 @app.command("cache-key")

@@ -183,8 +183,9 @@ class Decoding:
     Digests, top logits and logprobs stay those of the raw logits; each step's mask digest goes to
     ``Step.mask_digest`` and ``result.mask_digests``. ``speculate="ngram"`` drafts tokens by prompt lookup and checks
     them in one forward (compute.speculate): the same Steps, digests and KV, in fewer forwards where the text repeats
-    its context (counts in ``result.draft_tokens`` / ``accepted_tokens``); ignored for a cache that cannot be
-    truncated. Raises InputError for an empty or too-long prompt or an unknown ``speculate``; ConstraintError for a
+    its context (counts in ``result.draft_tokens`` / ``accepted_tokens``); a cache with recurrent state marks its
+    state before each draft window and, on a rejection, goes back there and runs the accepted tokens again in the
+    next forward (the last Step's may come one forward after it, before :attr:`done`). Raises InputError for an empty or too-long prompt or an unknown ``speculate``; ConstraintError for a
     constraint that does not compile, with ``ignore_eos`` (the grammar ends with an end token), or that can no
     longer be completed.
     """
@@ -218,12 +219,14 @@ class Decoding:
         self._index = 0
         self._logits: np.ndarray | None = None  # what the next token is sampled from, once computed
         self._pending: tuple[list[int], bool] | None = None  # the decode forward the next token waits for
-        self._drafter = NgramDrafter(self.history) if speculate and cache.truncatable else None
+        self._drafter = NgramDrafter(self.history) if speculate else None
         self._policy = DraftPolicy()
         self._ahead: list[int] = []  # draft tokens in the cache past the accepted ones; rows[i]: the logits after ahead[i]
         self._rows: list[np.ndarray] = []
         self._drafted = 0  # the length of the last draft
         self._held = cache.n_tokens  # the positions a cache without drafts would hold now
+        self._redo = 0  # leading tokens of the pending forward run again after a recurrent state's rollback
+        self._final: Step | None = None  # the last Step, returned, whose cache still waits for that forward
         self.done = False
 
     def need(self) -> tuple[list[int], bool] | None:
@@ -247,10 +250,12 @@ class Decoding:
             self._t0 = time.perf_counter()
             self._logits = logits
         elif self._pending[1]:
-            self._logits, self._rows = logits[0], list(logits[1:])
+            self._logits, self._rows = logits[self._redo], list(logits[self._redo + 1 :])
         else:
             self._logits = logits
         self._pending = None
+        if self._final is not None:
+            self._finish(self._final)
 
     def step(self) -> Step:
         """Sample the next token from the logits :meth:`put` gave (or a draft's, already computed) and return its
@@ -294,9 +299,10 @@ class Decoding:
         res.text += text
         step = Step(index, position, token, text, digest, top, reason, lp, top_lp, mdigest)
         if reason is not None:
-            if cache.n_tokens > position:
-                cache.truncate(position)
             res.timings.decode_tokens = index
+            if redo := self._rollback(position):  # the cache ends as plain decoding leaves it: after one more forward
+                self._final, self._logits, self._pending, self._redo = step, None, (redo, False), 0
+                return step
             return self._finish(step)
         self._index += 1
         self._next(token, position)
@@ -317,13 +323,29 @@ class Decoding:
             return
         if self._drafted:
             self._policy.taken(self._drafted, self._drafted - len(ahead))
-        if ahead:  # the first draft token that differs from the sampled one, and those after it
-            self.cache.truncate(position)
+        redo = self._rollback(position) if ahead else []  # the first draft token that differs from the sampled one, and on
         fits = min(self.sampling.max_tokens - self._index - 1, self.engine.n_ctx - position - 2)  # drafts whose rows are sampled from
         draft = self._drafter.draft(min(self._policy.size(), fits)) if fits > 0 else []
+        if draft and self.cache.marked != self.cache.n_tokens:
+            self.cache.mark()  # a recurrent state at the window's start, where a rejection goes back to
         self._ahead, self._rows, self._drafted = draft, [], len(draft)
-        self._pending = [token, *draft], bool(draft)
+        self._pending, self._redo = ([*redo, token, *draft], bool(draft)), len(redo)
         self.result.draft_tokens += len(draft)
+
+    def _rollback(self, position: int) -> list[int]:
+        """Drop what the cache holds past ``position``: truncated for attention layers; for a recurrent state, back
+        to the draft window's mark, returning the tokens from there to ``position``, which the next forward runs
+        again (the same bytes as never having drafted)."""
+        cache = self.cache
+        if cache.n_tokens <= position:
+            return []
+        if cache.truncatable:
+            cache.truncate(position)
+            return []
+        start = cache.marked
+        redo = cache.tokens[start:position]
+        cache.truncate(start)
+        return redo
 
     def _finish(self, step: Step) -> Step:
         res = self.result
@@ -338,7 +360,8 @@ class Decoding:
 
     def close(self) -> None:
         """Leave the cache as decoding without drafts would at the last Step returned (for a caller that stops
-        early; a no-op once done)."""
-        if self.cache.n_tokens > self._held:
-            self.cache.truncate(self._held)
+        early; a no-op once done): a cache with recurrent state may instead go back to the last draft window's start,
+        a shorter exact prefix."""
+        if not self.done:
+            self._rollback(self._held)
         self.done = True

@@ -7,9 +7,9 @@ exact. A hybrid model's recurrent (Gated DeltaNet) layers keep instead a fixed-s
 (the causal conv's last inputs and the delta-rule state), updated in place, with nothing to cut back to: its cache
 reports ``truncatable = False``, and a snapshot of it is reusable only at exactly its own length. It keeps instead
 **checkpoints**: copies of the state at a few positions (after every prompt, and whenever a forward crosses a
-multiple of CHECKPOINT_EVERY positions; the CHECKPOINTS most recent, so at most CHECKPOINTS x state bytes), and can be
-cut back to any checkpoint: the attention layers' K/V are truncated there and the state is the copy, exactly what
-computing those tokens again gives. Its digest covers the KV of the attention layers and every recurrent state.
+multiple of CHECKPOINT_EVERY positions; the CHECKPOINTS most recent, so at most CHECKPOINTS x state bytes), and one
+**mark** (speculative decoding's draft window start), and can be cut back to any of them: the attention layers' K/V
+are truncated there and the state is the copy, exactly what computing those tokens again gives. Its digest covers the KV of the attention layers and every recurrent state.
 
 A :class:`KVSnapshot` is a compact, read-only copy of positions 0..n-1; restoring it into a cache and
 continuing gives the same bytes as never having stopped, because the cache's contents depend only on its tokens.
@@ -304,6 +304,7 @@ class KVCache:
         # attention layers only: truncating to k < n_tokens is exact; a recurrent state only to its checkpoints
         self.truncatable = not self.state
         self.checkpoints: dict[int, tuple[np.ndarray, ...]] = {}  # position -> copy of the state after that many tokens
+        self._mark: tuple[int, tuple[np.ndarray, ...]] | None = None  # a draft window's start (mark)
         self.tokens: list[int] = []
         # float16 -> float32 decode table for the kernels (a 1-element dummy for f32 storage)
         self.lut = F16_TO_F32 if self.kv_type == "f16" else np.zeros(1, np.float32)
@@ -345,6 +346,17 @@ class KVCache:
             while len(self.checkpoints) > CHECKPOINTS:
                 del self.checkpoints[next(iter(self.checkpoints))]
 
+    def mark(self) -> None:
+        """Keep a copy of the recurrent state here, apart from the checkpoints (speculative decoding's draft window
+        start: :meth:`truncate` can go back to it); a no-op without recurrent state."""
+        if self.state:
+            self._mark = (self.n_tokens, tuple(a.copy() for a in self.state))
+
+    @property
+    def marked(self) -> int | None:
+        """The position :meth:`mark` kept, if any."""
+        return self._mark[0] if self._mark is not None else None
+
     def forwarded(self, start: int) -> None:
         """The engine ran positions ``start``..n_tokens-1: checkpoint the state if they crossed a multiple of
         CHECKPOINT_EVERY."""
@@ -372,15 +384,18 @@ class KVCache:
         """
         if not 0 <= n <= self.n_tokens:
             raise InputError(f"cannot truncate a KV cache of {self.n_tokens} tokens to {n}")
-        if not self.truncatable and n not in (0, self.n_tokens) and n not in self.checkpoints:
+        kept = self.checkpoints.get(n) or (self._mark[1] if self.marked == n else None)
+        if not self.truncatable and n not in (0, self.n_tokens) and kept is None:
             raise InputError("this KV cache holds recurrent state and cannot be truncated there (no checkpoint); recompute from the start")
         for k, v in zip(self.k, self.v):
             k[:, :, n : self.n_tokens] = 0
             v[:, n : self.n_tokens, :] = 0
         if self.state and n < self.n_tokens:
-            for a, kept in zip(self.state, self.checkpoints.get(n, (0,) * len(self.state))):
-                a[...] = kept
+            for a, copy in zip(self.state, kept or (0,) * len(self.state)):
+                a[...] = copy
             self.checkpoints = {p: c for p, c in self.checkpoints.items() if p <= n}
+            if self.marked is not None and self.marked > n:
+                self._mark = None
         del self.tokens[n:]
 
     def digest(self, n: int | None = None) -> str:
@@ -442,5 +457,5 @@ class KVCache:
                 vc[:, n:old, :] = 0
         for mine, theirs in zip(self.state, snapshot.state):
             mine[...] = theirs
-        self.checkpoints = {}
+        self.checkpoints, self._mark = {}, None
         self.tokens[:] = snapshot.tokens[:n]

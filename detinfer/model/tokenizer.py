@@ -81,6 +81,10 @@ _QWEN2 = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_QWEN35 = (  # qwen2's with combining marks kept in letter runs (\p{M})
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _DEFAULT = PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"))
 _GPT2_PRE = PreTokenizer((_GPT2,))
 _DIGITS_GPT2 = PreTokenizer((r"\p{N}", _GPT2))  # every digit its own piece, then GPT-2
@@ -104,6 +108,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "qwen2": _QWEN2_PRE,
     "deepseek-r1-qwen": _QWEN2_PRE,
     "stablelm2": _QWEN2_PRE,
+    "qwen35": PreTokenizer((_QWEN35,)),
 }
 
 
