@@ -185,9 +185,9 @@ class Decoding:
     them in one forward (compute.speculate): the same Steps, digests and KV, in fewer forwards where the text repeats
     its context (counts in ``result.draft_tokens`` / ``accepted_tokens``); a cache with recurrent state marks its
     state before each draft window and, on a rejection, goes back there and runs the accepted tokens again in the
-    next forward (the last Step's may come one forward after it, before :attr:`done`). Raises InputError for an empty or too-long prompt or an unknown ``speculate``; ConstraintError for a
-    constraint that does not compile, with ``ignore_eos`` (the grammar ends with an end token), or that can no
-    longer be completed.
+    next forward (so the last Step may come one forward before :attr:`done`). Raises InputError for an empty or
+    too-long prompt or an unknown ``speculate``; ConstraintError for a constraint that does not compile, with
+    ``ignore_eos`` (the grammar ends with an end token), or that can no longer be completed.
     """
 
     def __init__(self, engine: Engine, prompt_tokens: Sequence[int], sampling: Sampling, *, cache: KVCache | None = None,
@@ -323,7 +323,7 @@ class Decoding:
             return
         if self._drafted:
             self._policy.taken(self._drafted, self._drafted - len(ahead))
-        redo = self._rollback(position) if ahead else []  # the first draft token that differs from the sampled one, and on
+        redo = self._rollback(position) if ahead else []  # drop the first draft token that differs, and those after it
         fits = min(self.sampling.max_tokens - self._index - 1, self.engine.n_ctx - position - 2)  # drafts whose rows are sampled from
         draft = self._drafter.draft(min(self._policy.size(), fits)) if fits > 0 else []
         if draft and self.cache.marked != self.cache.n_tokens:
