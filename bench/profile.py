@@ -28,10 +28,10 @@ import numpy as np
 from numba import njit
 
 from detinfer.bench.report import PROFILE_BEGIN, PROFILE_END, kept_section
-from detinfer.compute import kernels
+from detinfer.compute import engine as engine_module
+from detinfer.compute import kernels, linear
 from detinfer.compute.engine import Engine, set_threads
 from detinfer.fileio import atomic_write_text
-from detinfer.model.weights import QMatrix
 from detinfer.records.machine import describe, machine
 
 TEXT = " ".join(f"item {i}: the quick brown fox jumps over the lazy dog." for i in range(400))
@@ -63,10 +63,10 @@ class Profile:
 
 
 def install(profile: Profile, eng: Engine) -> Callable[[], None]:
-    """Wrap the kernels the engine calls (module attributes, the engine's bound RoPE/activation, QMatrix calls);
+    """Wrap the kernels the engine calls (module attributes, the engine's bound RoPE/activation, the matmuls);
     returns what undoes the module-level wrapping (the next model's kernels must compile against the real ones)."""
     saved = {name: getattr(kernels, name) for name in KERNEL_GROUPS}
-    call = QMatrix.__call__
+    call = linear.matmul
     for name, group in KERNEL_GROUPS.items():
         setattr(kernels, name, profile.timed(group, getattr(kernels, name)))
     eng._embd_row = profile.timed("embedding row", eng._embd_row)
@@ -75,19 +75,19 @@ def install(profile: Profile, eng: Engine) -> Callable[[], None]:
     eng._rope_tokens = profile.timed("RoPE", eng._rope_tokens)
     eng._ffn_act_tokens = profile.timed("activation", eng._ffn_act_tokens)
 
-    def matmul(self, x, xq, out):
-        key = f"matmul {self.ggml_type.name}" + (" (output)" if self.name in ("output.weight", "token_embd.weight") else "")
+    def matmul(m, x, xq, out):
+        key = f"matmul {m.ggml_type.name}" + (" (output)" if m.name in ("output.weight", "token_embd.weight") else "")
         t0 = time.perf_counter()
-        call(self, x, xq, out)
+        call(m, x, xq, out)
         profile.seconds[key] += time.perf_counter() - t0
         profile.calls[key] += 1
 
-    QMatrix.__call__ = matmul
+    linear.matmul = engine_module.matmul = matmul
 
     def undo() -> None:
         for name, fn in saved.items():
             setattr(kernels, name, fn)
-        QMatrix.__call__ = call
+        linear.matmul = engine_module.matmul = call
 
     return undo
 

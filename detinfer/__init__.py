@@ -9,21 +9,23 @@ from .version import __version__
 
 _configure_jit()  # before any kernel compiles
 
-from .api import (  # noqa: E402
-    LLM,
-    Constraint,
-    Outcome,
-    Result,
-    Sampling,
-    SessionResult,
-    Step,
-    Stream,
-    VerifyResult,
-    load,
-    replay,
-    verify,
-)
-from .errors import DetinferError  # noqa: E402
-
 __all__ = ["Constraint", "DetinferError", "LLM", "Outcome", "Result", "Sampling", "SessionResult", "Step", "Stream", "VerifyResult", "load",
            "replay", "verify", "__version__"]
+
+
+def __getattr__(name: str):
+    """The public names come from detinfer.api, imported on first use: a process that imports one subpackage (the
+    compile helper, a kernel test) does not pay for the whole library's import."""
+    if name == "DetinferError":
+        from .errors import DetinferError
+
+        return DetinferError
+    if name in __all__:
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'detinfer' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

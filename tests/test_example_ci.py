@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from detinfer.compute.jit import host_level
+
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "ci"
 SNAPSHOTS = Path("tests/__snapshots__/test_prompts")
 CAPITAL = SNAPSHOTS / "test_prompt[capital].json"
@@ -147,35 +149,62 @@ def workflow_step(name: str) -> str:
     return next(step["run"] for step in steps if step.get("name", "").startswith(name))
 
 
+def workflow_env() -> dict[str, str]:
+    """The job's environment values that are not GitHub expressions (the compile target's level)."""
+    env = yaml.safe_load(WORKFLOW.read_text())["jobs"]["determinism"]["env"]
+    return {k: str(v) for k, v in env.items() if "${{" not in str(v)}
+
+
 def run_step(name: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
-    """A workflow step as GitHub runs it (bash -e), with this interpreter's ``detinfer`` first on PATH."""
+    """A workflow step as GitHub runs it (bash -e, the job's environment), with this interpreter's ``detinfer``
+    first on PATH."""
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
     return run(["bash", "-eo", "pipefail", "-c", workflow_step(name)], cwd,
-               PATH=path, DETINFER_MODEL="smollm2-135m-instruct-q4_1", **env)  # fmt: skip
+               **{"PATH": path, "DETINFER_MODEL": "smollm2-135m-instruct-q4_1"} | workflow_env() | env)  # fmt: skip
 
 
-def test_the_workflow_cache_key_step(tmp_path: Path):
-    """The step writes ``key=`` + the key of the model the workflow names to $GITHUB_OUTPUT."""
+def test_the_workflow_cache_key_step(tmp_path: Path, monkeypatch):
+    """The step writes ``key=`` + the key of the model the workflow names, for its compile target's level (not
+    this CPU), to $GITHUB_OUTPUT."""
     from detinfer.integrations.ci_report import cache_key
 
     output = tmp_path / "github_output"
     r = run_step("Cache key", tmp_path, GITHUB_OUTPUT=str(output))
     assert r.returncode == 0, r.stdout + r.stderr
-    assert output.read_text() == f"key={cache_key('smollm2-135m-instruct-q4_1')}\n"
+    monkeypatch.setenv("DETINFER_CPU_LEVEL", workflow_env()["DETINFER_CPU_LEVEL"])
+    assert output.read_text() == f"key={cache_key('smollm2-135m-instruct-q4_1')}\n" and output.read_text().endswith("-x86-64-v3\n")
 
 
-def test_the_workflow_verify_step_runs_what_exists(tmp_path: Path):
+def _cache_files(jit: Path) -> set[Path]:
+    return {p for p in jit.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def level_jit(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, set[Path]]:
+    """An empty JIT cache filled by the workflow's warm-up step (for its level), and the files it holds then."""
+    if host_level() not in ("x86-64-v3", "x86-64-v4"):
+        pytest.skip("needs an x86-64-v3 CPU")
+    jit = tmp_path_factory.mktemp("level-jit")
+    r = run_step("Compile the kernels", jit, NUMBA_CACHE_DIR=str(jit))
+    assert r.returncode == 0 and "(target x86-64-v3)" in r.stdout, r.stdout + r.stderr
+    return jit, _cache_files(jit)
+
+
+def test_the_workflow_verify_step_runs_what_exists(tmp_path: Path, level_jit: tuple[Path, set[Path]]):
     """With neither manifests/ nor sessions/ the step says so and passes; with manifests/ alone it verifies those
-    (the control: the same step does run verify, whose report lists each manifest)."""
+    (the control: the same step does run verify, whose report lists each manifest), loading every kernel from
+    the warm-up step's cache: it adds no file there (test_warm_up's control shows another target would)."""
+    jit, kept = level_jit
     bare = tmp_path / "bare"
     bare.mkdir()
-    r = run_step("Manifests and session records", bare)
+    r = run_step("Manifests and session records", bare, NUMBA_CACHE_DIR=str(jit))
     assert r.returncode == 0 and "nothing for detinfer verify" in r.stdout, r.stdout + r.stderr
     assert not (bare / "verify.xml").exists()
 
     some = tmp_path / "some"
     shutil.copytree(EXAMPLE / "manifests", some / "manifests")
-    r = run_step("Manifests and session records", some, NUMBA_NUM_THREADS="1")
+    r = run_step("Manifests and session records", some, NUMBA_NUM_THREADS="1", NUMBA_CACHE_DIR=str(jit))
     assert r.returncode == 0 and "nothing for" not in r.stdout, r.stdout + r.stderr
     suite = ET.parse(some / "verify.xml").getroot().find("testsuite")
     assert suite.get("tests") == str(len(list((EXAMPLE / "manifests").glob("*.json")))) and suite.get("failures") == "0"
+    assert kept and _cache_files(jit) == kept

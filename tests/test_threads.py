@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import numba
 import numpy as np
@@ -70,3 +71,20 @@ def test_without_proc_stat_the_default_is_every_core(monkeypatch):
     assert set_threads(None) == numba.config.NUMBA_NUM_THREADS
     threads.adapt_threads()
     assert numba.get_num_threads() == numba.config.NUMBA_NUM_THREADS
+
+
+def test_the_first_automatic_choice_is_made_once(monkeypatch):
+    """A process's first automatic count comes from one short window, and later calls start from it: before, that
+    window was never closed, so every ``set_threads(None)`` (four in a ``detinfer run``) waited FIRST_WINDOW_S again."""
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one core: there is no count to choose")
+    sleeps = []
+    clock = SimpleNamespace(monotonic=time.monotonic, sleep=lambda s: (sleeps.append(s), time.sleep(s)))
+    monkeypatch.setattr(threads, "time", clock)
+    monkeypatch.setattr(threads, "_last_choice", None)
+    try:
+        first = set_threads(None)
+        assert sleeps == [threads.FIRST_WINDOW_S] and threads._last_choice == first == numba.get_num_threads()
+        assert set_threads(None) == first and sleeps == [threads.FIRST_WINDOW_S]
+    finally:
+        set_threads(None)

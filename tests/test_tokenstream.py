@@ -11,7 +11,7 @@ import pytest
 
 from detinfer.integrations.ci_report import (
     cache_key,
-    cpu_level,
+    cache_target,
     github_annotations,
     junit_xml,
 )
@@ -77,7 +77,7 @@ def test_junit_and_annotations():
 
 
 def test_cache_key_names_versions_model_and_cpu():
-    level = cpu_level()
+    level = cache_target()
     assert re.fullmatch(r"(x86-64-v[1-4]|[a-z0-9_]+)-\S+", level)
     key = cache_key()
     assert key.startswith("detinfer-0.1.0-numba-") and f"-py{platform.python_version()}-b179c9523d0e6a0f-" in key and key.endswith(level)

@@ -32,7 +32,7 @@ from .llm import (
     read_prompt_file,
     set_threads,
 )
-from .models import DEFAULT_MODEL, ModelInfo, list_models, model_info, pull
+from .models import DEFAULT_MODEL, ModelInfo, WarmUp, jit_cache_files, list_models, model_info, pull, warm_up
 from .records import (
     BAD_INPUT,
     DEFAULT_BATCH,
@@ -59,8 +59,8 @@ from .records import (
 )
 
 __all__ = ["BAD_INPUT", "DEFAULT_BATCH", "Constraint", "Conversation", "DEFAULT_MODEL", "LLM", "MATCH", "MISMATCH", "ModelInfo", "Outcome",
-           "PROGRESS_MARK", "ReplayOptions", "Result", "SPECULATORS", "Sampling", "SessionResult", "Step", "Stream", "VerifyResult", "branch",
+           "PROGRESS_MARK", "ReplayOptions", "Result", "SPECULATORS", "Sampling", "SessionResult", "Step", "Stream", "VerifyResult", "WarmUp", "branch",
            "check_chunk_size", "check_speculate",
-           "collect", "collect_sessions", "constraint_from_options", "describe_machine", "exit_code", "inspect_kv",
+           "collect", "collect_sessions", "constraint_from_options", "describe_machine", "exit_code", "inspect_kv", "jit_cache_files",
            "list_models", "load", "load_messages", "load_script", "model_info", "pull", "read_all", "read_prompt_file", "replay",
-           "rerun", "selftest", "selftest_ok", "set_threads", "short_machine", "to_json_lines", "verify"]
+           "rerun", "selftest", "selftest_ok", "set_threads", "short_machine", "to_json_lines", "verify", "warm_up"]

@@ -1,10 +1,13 @@
-"""Models from Python: download registry models, list them, and describe a model file (config, tensor types,
-parameters, KV cache arithmetic) without loading its weights."""
+"""Models from Python: download registry models, list them, describe a model file (config, tensor types,
+parameters, KV cache arithmetic) without loading its weights, and compile a model's kernels ahead of use."""
 
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..compute.kvcache import CHECKPOINT_EVERY, CHECKPOINTS, KV_TYPES, kv_bytes_per_number
 from ..errors import InputError
@@ -12,7 +15,7 @@ from ..model.config import ModelConfig
 from ..model.gguf_file import ModelFile
 from ..model.registry import DEFAULT_MODEL, list_models, pull, resolve_model
 
-__all__ = ["DEFAULT_MODEL", "ModelInfo", "list_models", "model_info", "pull"]
+__all__ = ["DEFAULT_MODEL", "ModelInfo", "WarmUp", "jit_cache_files", "list_models", "model_info", "pull", "warm_up"]
 
 CONFIG_FIELDS = ("arch", "n_vocab", "n_ctx_train", "n_embd", "n_layer", "n_head", "n_head_kv", "head_dim", "n_ff",
                  "rope_freq_base", "rms_norm_eps", "tied_embeddings")  # fmt: skip
@@ -62,3 +65,42 @@ def model_info(model: str | os.PathLike | None = None, *, n_ctx: int = 4096) -> 
         raise InputError(f"--ctx {n_ctx} is out of range; this model supports 1..{cfg.n_ctx_train} positions")
     kv = {t: (cfg.kv_bytes(1, kv_bytes_per_number(t)), cfg.kv_bytes(n_ctx, kv_bytes_per_number(t))) for t in KV_TYPES}
     return ModelInfo(mf.path.name, mf.sha256, mf.size, mf.n_params(), mf.type_counts(), cfg, n_ctx, kv)
+
+
+@dataclass(frozen=True)
+class WarmUp:
+    """One model's :func:`warm_up`: its file name, wall seconds, and the JIT cache files it added (0: every kernel
+    was already there, loaded rather than compiled)."""
+
+    file_name: str
+    seconds: float
+    new_cache_files: int
+
+
+def jit_cache_files() -> set[Path]:
+    """numba's cache files of detinfer's kernels (index .nbi and code .nbc): under ``NUMBA_CACHE_DIR`` if set, else
+    in the ``__pycache__`` folders beside detinfer's sources (numba's default)."""
+    import numba
+
+    root = Path(numba.config.CACHE_DIR) if numba.config.CACHE_DIR else Path(__file__).parents[1]
+    return {p for p in root.rglob("*.nb[ic]") if p.is_file()}
+
+
+def warm_up(models: Sequence[str | os.PathLike | None] = (None,), *, kv_type: str = "f32",
+            on_model: Callable[[str], None] | None = None) -> list[WarmUp]:  # fmt: skip
+    """Compile (or load from numba's cache) every kernel ``run``, ``verify`` and ``serve`` use on each model, for
+    the compile target in effect (``DETINFER_CPU_LEVEL``, else this CPU): a prefill chunk, a decode step and a
+    sampled token, with ``kv_type``'s KV cache. Made for CI runners: warm-up once, keep ``NUMBA_CACHE_DIR``.
+    ``on_model(name)`` is called before each model loads. Raises what :func:`detinfer.load` raises."""
+    from .llm import load
+
+    done = []
+    for model in models:
+        if on_model is not None:
+            on_model(str(model or DEFAULT_MODEL))
+        before, t0 = jit_cache_files(), time.perf_counter()
+        llm = load(model, n_ctx=64, kv_type=kv_type)
+        llm.warm_up()
+        llm.complete("Hello", max_tokens=2, temperature=0.8, top_p=0.9, seed=0)
+        done.append(WarmUp(llm.engine.model_file.path.name, time.perf_counter() - t0, len(jit_cache_files() - before)))
+    return done

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from .. import api
 from ..errors import DetinferError
-from .common import CtxOpt, app, fail, flag, out
+from .common import CtxOpt, KvOpt, app, err, fail, flag, out
 
 
 @app.command()
@@ -70,6 +70,26 @@ def info(
         kept, every, budget = mi.checkpoints
         out.print(f"state checkpoints: the {kept} latest per cache (after each prompt, at each turn's end, every {every} "
                   f"positions), at most {kept} × {cfg.state_bytes:,} = {budget:,} bytes", soft_wrap=True)
+
+
+@app.command("warm-up")
+def warm_up(
+    models: Annotated[Optional[list[str]], typer.Argument(help="Registry names or .gguf paths (default: the default model).")] = None,
+    kv_type: KvOpt = "f32",
+) -> None:
+    """Compile every kernel run, verify and serve use on these models into numba's JIT cache (NUMBA_CACHE_DIR), for
+    DETINFER_CPU_LEVEL if set (e.g. x86-64-v3: loads on any CPU of that level), else this CPU. For CI runners:
+    warm up once, keep the cache (its key: detinfer cache-key)."""
+    try:
+        from ..integrations.ci_report import cache_target
+
+        target = cache_target()
+        done = api.warm_up(models or [None], kv_type=kv_type, on_model=lambda name: err.print(f"{api.PROGRESS_MARK} for {escape(name)} ({target})…"))
+    except DetinferError as e:
+        fail(e)
+    for w in done:
+        what = f"{w.new_cache_files} new JIT cache files" if w.new_cache_files else "every kernel loaded from the JIT cache"
+        out.print(f"{escape(w.file_name)}: {w.seconds:.1f} s, {what} (target {target})", soft_wrap=True)
 
 
 @app.command("cache-key")

@@ -10,9 +10,6 @@ from rich.markup import escape
 
 from .. import api
 from ..errors import DetinferError
-from ..serve import listen
-from ..serve.app import create_app
-from ..serve.serving import ServerSettings
 from .common import (
     DEFAULT_CACHE_BYTES,
     CacheBytesOpt,
@@ -55,6 +52,10 @@ def serve(
     kv_dir_bytes: Annotated[int, typer.Option("--kv-dir-bytes", min=0, help="Byte budget of this model's files in --kv-dir (oldest deleted first).")] = 4 << 30,
 ) -> None:
     """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
+    from ..serve import listen  # FastAPI and uvicorn: a fifth of every other command's start, so imported here only
+    from ..serve.app import create_app
+    from ..serve.serving import ServerSettings
+
     try:
         check_outputs({}, {"--record": record_dir, "--kv-dir": kv_dir})
         sock = listen.bind(host, port)

@@ -24,9 +24,11 @@ from ..model.quants import DEQUANT_ROW
 from ..model.registry import resolve_model
 from ..model.tokenizer import Tokenizer
 from ..model.weights import Weights, open_store
-from . import kernels
+from . import kernels, sampler
+from .jit import check_target
 from .kvcache import KVCache, KVPool, check_kv_fits, kv_bytes_per_number, parse_kv_type
 from .linear import Activations, matmul, project
+from .precompile import warm
 from .threads import adapt_threads, set_threads
 
 __all__ = ["DEFAULT_CHUNK", "DEFAULT_N_CTX", "Engine", "check_chunk_size", "set_threads"]
@@ -129,19 +131,27 @@ class Engine:
         runs with a fresh ``NUMBA_CACHE_DIR``). Without it, every derived file is checked before use and rebuilt
         with a one-line warning if it does not check out. Same bytes either way.
 
-        The KV type is checked before the model is read, so a quantized ``kv_type`` fails fast (KVTypeError).
-        Raises DetinferError subclasses for a missing/invalid file, unsupported architecture or tensor type.
+        The KV type is checked before the model is read, so a quantized ``kv_type`` fails fast (KVTypeError), and
+        so is ``DETINFER_CPU_LEVEL`` (InputError, see compute/jit.py). Raises DetinferError subclasses for a
+        missing/invalid file, unsupported architecture or tensor type.
         """
         parse_kv_type(kv_type)
+        check_target()  # a DETINFER_CPU_LEVEL configure() could not use fails here, before anything compiles
         with _gc_paused():
             return cls(ModelFile(resolve_model(model), use_index=not rederive), n_ctx=n_ctx, kv_type=kv_type)
 
     def warm_up(self) -> None:
         """Compile (first run) or load from numba's cache every kernel the engine uses, outside any timing: a 2-token
-        chunk, then a 1-token step (numba types a one-row slice as contiguous, so decode has its own specializations)."""
-        cache = self.new_cache()
-        self.forward([0, 0], cache)
-        self.forward([0], cache)
+        chunk, then a 1-token step (numba types a one-row slice as contiguous, so decode has its own specializations).
+        Kernels missing from the cache compile on two cores (compute/precompile.py); the same bytes either way."""
+
+        def run() -> None:
+            cache = self.new_cache()
+            self.forward([0, 0], cache)
+            self.forward([0], cache)
+
+        # the sampler's kernels only when compiling: a warm start loads them when a generation first samples
+        warm(run, [(sampler.warm_up, (self.config.n_vocab,))])
 
     def new_cache(self) -> KVCache:
         """An empty KV cache of n_ctx positions: zeroed memory, that of the last cache dropped if nothing views it

@@ -8,22 +8,87 @@ inside a sum, so the vector width changes how many outputs one instruction compu
 
 A user's own ``NUMBA_CPU_NAME`` or ``NUMBA_CPU_FEATURES`` always wins (that is how the benchmark compiles for
 AVX2 only and how scripts/portability.py picks targets).
+
+``DETINFER_CPU_LEVEL`` (x86-64-v2, x86-64-v3 or x86-64-v4) compiles for an x86-64 micro-architecture level instead
+of the host's CPU: numba keys its cache on the target, so kernels compiled once for a level (``detinfer warm-up``)
+load on every CPU that has the level, e.g. the varied CPUs of CI runners sharing one restored cache. Same bytes.
 """
 
 from __future__ import annotations
 
 import os
 
+from ..errors import InputError
+
 WIDE = "-prefer-256-bit"
 WIDE_NOTE = " (512-bit vectors)"  # how machine records configure()'s target
+LEVEL_ENV = "DETINFER_CPU_LEVEL"
+# x86-64 micro-architecture levels (the psABI's), highest first: the features each level adds to the one below
+X86_LEVELS = (
+    ("x86-64-v4", ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")),
+    ("x86-64-v3", ("avx", "avx2", "bmi", "bmi2", "f16c", "fma", "lzcnt", "movbe")),
+    ("x86-64-v2", ("cx16", "popcnt", "sse4.1", "sse4.2", "ssse3")),
+)
+
+
+def host_level() -> str:
+    """The host's x86-64 level (x86-64-v1..v4) from LLVM's view of its features; on another architecture, the
+    first part of LLVM's target triple (e.g. "aarch64")."""
+    import llvmlite.binding as ll
+
+    arch = ll.get_process_triple().split("-")[0]
+    if arch != "x86_64":
+        return arch
+    features = {f[1:] for f in ll.get_host_cpu_features().flatten().split(",") if f.startswith("+")}
+    names = [name for name, _ in X86_LEVELS]
+    for i, name in enumerate(names):
+        if all(set(need) <= features for _, need in X86_LEVELS[i:]):
+            return name
+    return "x86-64-v1"
+
+
+def cpu_level() -> str | None:
+    """The level ``DETINFER_CPU_LEVEL`` asks for (None when unset or empty). Raises InputError for a value that is
+    not a level, a level this CPU lacks (its kernels would crash on an illegal instruction), or one set beside
+    ``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES`` (two targets)."""
+    level = os.environ.get(LEVEL_ENV) or None
+    if level is None:
+        return None
+    names = [name for name, _ in X86_LEVELS]
+    if level not in names:
+        raise InputError(f"{LEVEL_ENV}={level!r} is not a level; use one of {', '.join(reversed(names))}, or unset it for this CPU's own")
+    if "NUMBA_CPU_NAME" in os.environ or "NUMBA_CPU_FEATURES" in os.environ:
+        raise InputError(f"{LEVEL_ENV} and NUMBA_CPU_NAME/NUMBA_CPU_FEATURES both choose the compile target; unset one")
+    host = host_level()
+    if host not in names or names.index(host) > names.index(level):
+        raise InputError(f"{LEVEL_ENV}={level}: this CPU is {host}, which lacks that level's instructions; use {host} or lower")
+    return level
+
+
+def check_target() -> None:
+    """Raise InputError if ``DETINFER_CPU_LEVEL`` cannot be used (:func:`cpu_level`) or was set after
+    :func:`configure` ran (when detinfer was imported): kernels would compile for another target than it names."""
+    from numba.core import config
+
+    level = cpu_level()
+    if level is not None and config.CPU_NAME != level:
+        raise InputError(f"{LEVEL_ENV}={level} was set after detinfer was imported; set it in the environment before")
 
 
 def configure() -> None:
-    """Let LLVM use 512-bit vectors on an AVX-512 host unless the user chose numba's target; a no-op elsewhere."""
-    if "NUMBA_CPU_NAME" in os.environ or "NUMBA_CPU_FEATURES" in os.environ:
-        return
+    """Compile for ``DETINFER_CPU_LEVEL`` when it is set (and valid: :func:`cpu_level` raises when a model loads);
+    else let LLVM use 512-bit vectors on an AVX-512 host unless the user chose numba's target."""
     from numba.core import codegen, config
 
+    try:
+        level = cpu_level()
+    except InputError:
+        return  # left to Engine.load, which raises it: an import must not fail
+    if level is not None:
+        config.CPU_NAME, config.CPU_FEATURES = level, ""
+        return
+    if "NUMBA_CPU_NAME" in os.environ or "NUMBA_CPU_FEATURES" in os.environ:
+        return
     features = codegen.get_host_cpu_features()
     if "+avx512f" in features.split(","):
         config.CPU_FEATURES = f"{features},{WIDE}"
@@ -43,9 +108,9 @@ def target_features_note(features: str | None) -> str:
 # falls back to plain LLVM IR, which every target compiles (slower, same bytes: the dots are exact integers).
 _VNNI512_CPUS = {"cascadelake", "cooperlake", "icelake-client", "icelake-server", "tigerlake", "rocketlake",
                  "sapphirerapids", "emeraldrapids", "graniterapids", "graniterapids-d", "znver4", "znver5"}
-_AVX512BW_CPUS = {"skylake-avx512", "cannonlake"}
+_AVX512BW_CPUS = {"skylake-avx512", "cannonlake", "x86-64-v4"}
 _AVX2_CPUS = {"haswell", "broadwell", "skylake", "alderlake", "raptorlake", "meteorlake", "arrowlake", "znver1",
-              "znver2", "znver3", "x86-64-v3", "x86-64-v4"}
+              "znver2", "znver3", "x86-64-v3"}
 TIERS = ("vnni512", "avx512bw", "avx2", "generic")
 
 

@@ -520,3 +520,14 @@ def log_softmax_at(logits: np.ndarray, ids: Sequence[int]) -> list[float]:
     out = np.empty(idx.shape[0], np.float64)
     _log_softmax_at(logits, idx, out)
     return [float(v) for v in out]
+
+
+def warm_up(n_vocab: int) -> None:
+    """Compile (or load from numba's cache) the sampling kernels a generation calls, on zero logits of ``n_vocab``
+    tokens: a greedy and a sampled pick (every filter on), the top logits and log-probabilities."""
+    logits = np.zeros(n_vocab, np.float32)
+    sampled = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.1)
+    for params in (SamplingParams(), sampled):
+        sample(logits, params, 0, [0])
+    top_logits(logits, 5)
+    log_softmax_at(logits, [0])

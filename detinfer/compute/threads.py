@@ -80,22 +80,22 @@ def set_threads(threads: int | None) -> int:
     if _local.auto and _last_choice is None:  # the process's first choice: one short window before any work
         _local.window = (time.monotonic(), _machine_busy_s(), _own_cpu_s())
         time.sleep(FIRST_WINDOW_S)
-        adapt_threads()
+        adapt_threads(close=True)
     n = _last_choice if _local.auto and _last_choice is not None else limit
     numba.set_num_threads(n)
     return n
 
 
-def adapt_threads() -> None:
+def adapt_threads(close: bool = False) -> None:
     """Called before each forward chunk: with automatic threads, close the accounting window once WINDOW_S seconds
-    have passed and set the count for the next one (a window older than STALE_S, which spans a pause of this
-    thread, only starts a new one). Costs a clock read between windows."""
+    have passed (or now, with ``close``) and set the count for the next one (a window older than STALE_S, which
+    spans a pause of this thread, only starts a new one). Costs a clock read between windows."""
     global _last_choice
     if not getattr(_local, "auto", False):
         return
     now = time.monotonic()
     window = getattr(_local, "window", None)
-    if window is not None and now - window[0] < WINDOW_S:
+    if window is not None and now - window[0] < WINDOW_S and not close:
         return
     busy = _machine_busy_s()
     own = _own_cpu_s()

@@ -47,31 +47,23 @@ def github_annotations(results: Sequence[Outcome]) -> list[str]:
             f"{_escape(chr(10).join(r.report()))}" for r in results if r.status in (MISMATCH, BAD_INPUT)]
 
 
-# x86-64 micro-architecture levels (the psABI's), highest first: the features each level adds
-_X86_LEVELS = (
-    ("x86-64-v4", ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")),
-    ("x86-64-v3", ("avx", "avx2", "bmi", "bmi2", "f16c", "fma", "lzcnt", "movbe")),
-    ("x86-64-v2", ("cx16", "popcnt", "sse4.1", "sse4.2", "ssse3")),
-)
-
-
-def cpu_level() -> str:
-    """This CPU as the JIT sees it: its instruction-set level (x86-64-v1..v4; on other architectures the LLVM
-    target triple) and LLVM's host CPU name, e.g. ``x86-64-v3-znver3``. numba's cache keys compiled code on the
-    host CPU name and features, so a cache restored on another CPU would only be recompiled over."""
+def cache_target() -> str:
+    """The compile target as the JIT cache keys it: ``DETINFER_CPU_LEVEL`` when set (e.g. ``x86-64-v3``: any CPU
+    of that level loads the kernels), else this CPU's instruction-set level (x86-64-v1..v4; on other
+    architectures the LLVM target triple's) and LLVM's host CPU name, e.g. ``x86-64-v3-znver3``: numba keys
+    compiled code on the CPU name and features, so a cache restored on another CPU would only be recompiled over.
+    Raises InputError for a DETINFER_CPU_LEVEL that cannot be used here (compute.jit.cpu_level)."""
     import llvmlite.binding as ll
 
-    features = {f[1:] for f in ll.get_host_cpu_features().flatten().split(",") if f.startswith("+")}
-    triple = ll.get_process_triple()
-    level = triple.split("-")[0]
-    if level == "x86_64":
-        level = next((name for name, need in _X86_LEVELS if set(need) <= features), "x86-64-v1")
-    return f"{level}-{ll.get_host_cpu_name()}"
+    from ..compute.jit import cpu_level as chosen
+    from ..compute.jit import host_level
+
+    return chosen() or f"{host_level()}-{ll.get_host_cpu_name()}"
 
 
 def cache_key(model: str | os.PathLike | None = None) -> str:
     """The CI cache key of a model and its compiled kernels: detinfer, numba and Python versions (numba's cache
-    entries hold code for one Python), the model's sha256 and :func:`cpu_level`.
+    entries hold code for one Python), the model's sha256 and :func:`cache_target`.
 
     ``model``: a registry name (default the registry's default model; its sha256 comes from the registry, so the
     key is known before the model is pulled) or a .gguf path (hashed). Raises GGUFError for a path that does not
@@ -88,4 +80,4 @@ def cache_key(model: str | os.PathLike | None = None) -> str:
     model = DEFAULT_MODEL if model is None else model
     sha256 = REGISTRY[model].sha256 if model in REGISTRY else ModelFile(resolve_model(model)).sha256
     versions = f"detinfer-{__version__}-numba-{numba.__version__}-py{platform.python_version()}"
-    return f"{versions}-{sha256[:16]}-{cpu_level()}"
+    return f"{versions}-{sha256[:16]}-{cache_target()}"

@@ -7,8 +7,6 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import jsonschema
-
 
 @dataclass(frozen=True)
 class Reply:
@@ -75,6 +73,8 @@ class ToolCallFormat:
             name = body.get("name") if isinstance(body, dict) else None
             if not isinstance(name, str) or name not in tools or not isinstance(args, dict):
                 return Reply(text)
+            import jsonschema  # 50 ms of every start otherwise; only a reply that calls a tool needs it
+
             if tools[name] is not None and not jsonschema.Draft202012Validator(tools[name]).is_valid(args):
                 return Reply(text)
             call_id = "call_" + hashlib.sha256(f"{call_id_seed}:{i}".encode()).hexdigest()[:24]
