@@ -1,6 +1,7 @@
 """A cold start's kernels compiled by this process and a helper process (compute/precompile.py): the helper's kernels
 are loaded from the cache files it wrote (numba counts a cache hit and no compile for each), and a run whose helper
-exits at once, which compiles them itself (the control: misses for the same kernels), gives the same bytes."""
+exits at once, which compiles them itself (the control: misses for the same kernels), gives the same bytes; and the
+dry run's numpy steps, over arrays no kernel wrote, warn of nothing."""
 
 from __future__ import annotations
 
@@ -8,10 +9,14 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numba
+import numpy as np
 import pytest
+
+from detinfer.compute import precompile
 
 PROBE = r"""
 import hashlib, json, sys
@@ -67,3 +72,28 @@ def test_the_helpers_kernels_load_from_its_files_and_a_failed_helper_changes_no_
     assert alone["problem"] == "the compile helper stopped: exit code 3" and not alone["merged"], alone["problem"]
     assert all(alone["counts"][name][sig][1] >= 1 for name, sig in loaded), alone["counts"]
     assert {k: shared[k] for k in ("logits", "tokens", "kv")} == {k: alone[k] for k in ("logits", "tokens", "kv")}
+
+
+def test_the_dry_runs_numpy_steps_over_unwritten_arrays_warn_of_nothing():
+    @numba.njit
+    def fill(x):  # a kernel the dry run skips, so x keeps what an unwritten scratch buffer may hold
+        x[:] = 1.0
+
+    steps = []
+
+    def run() -> None:
+        x = np.full(4, 3e38, np.float32)
+        fill(x)
+        x *= np.float32(25.3)  # as Gemma's embedding scale
+        steps.append(float(x[0]))
+
+    with warnings.catch_warnings(record=True) as dry:
+        warnings.simplefilter("always")
+        precompile._dry_run(run)
+    assert steps == [float("inf")] and dry == []
+    # the control: the same steps where the kernel did not write warn of the overflow
+    with warnings.catch_warnings(record=True) as plain, np.errstate(over="warn"):
+        warnings.simplefilter("always")
+        x = np.full(4, 3e38, np.float32)
+        x *= np.float32(25.3)
+    assert [w.category for w in plain] == [RuntimeWarning]
