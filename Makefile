@@ -127,7 +127,8 @@ bench: pull $(patsubst %,$(PEERS_DIR)/llama-cpp-%/BUILD,$(subst $(comma), ,$(BEN
 	$(MAKE) profile
 
 # Idle and beside a busy loop holding one core: detinfer at 1, 2 and its default threads, llama.cpp (the host peer)
-# at 1 and 2, both models (bench/busy.py), into bench/busy.json and a section of docs/benchmarks.md; about 8 min.
+# at 1 and 2, then a real server at --threads 1 and its default under 4 concurrent clients, both models
+# (detinfer/bench/busy.py), into bench/busy.json and a section of docs/benchmarks.md; about 10 min.
 bench-busy: pull $(PEERS_DIR)/llama-cpp-host/BUILD $(VENV)/.bench-installed
 	$(BIN)/detinfer pull gemma3-270m-q4_k_m
 	$(BIN)/detinfer bench busy --peer --peers-dir $(PEERS_DIR) --out bench/busy.json --markdown docs/benchmarks.md

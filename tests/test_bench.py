@@ -381,29 +381,38 @@ def test_plot_is_written_atomically(tmp_path, monkeypatch):
 
 
 def test_busy_bench_measures_every_configuration_idle_and_busy_and_its_section_is_kept(tmp_path, tiny_model, monkeypatch):
-    """``detinfer bench busy`` on a tiny model, one run: every configuration has every cell idle and busy, the
-    floors are computed from them, the section replaces itself in the markdown and survives the main report's
-    rewrite of the file. (Speed itself is never asserted.)"""
-    from detinfer.bench import busy
+    """``detinfer bench busy`` on a tiny model, one run: every configuration has every cell idle and busy, and so do
+    the real servers at --threads 1 and their default; the floors are computed from them, the section replaces
+    itself in the markdown and survives the main report's rewrite of the file. A server response that does not
+    match the same request alone (the clients' results swapped) is an error, never a figure. (Speed itself is never
+    asserted.)"""
+    from detinfer.bench import busy, serve
 
     monkeypatch.setattr(busy, "CELLS", (("prefill_8", "prefill", 8), ("decode_4", "decode", 4)))
+    monkeypatch.setattr(serve, "MAX_TOKENS", 8)
     result = busy.run_busy([str(tiny_model)], runs=1, peer=False, peers_dir=tmp_path, progress=lambda msg: None)
     fig = result["models"][str(tiny_model)]
-    assert set(fig) == {"idle", "busy"} and all(
-        set(fig[load]) == {"detinfer 1t", "detinfer 2t", "detinfer default"} for load in fig)
-    assert all(fig[load][name][cell]["median"] > 0 for load in fig for name in fig[load] for cell in ("prefill_8", "decode_4"))
-    assert len(busy.floors(fig)) == 4
+    assert set(fig) == {"idle", "busy", "server"} and all(
+        set(fig[load]) == {"detinfer 1t", "detinfer 2t", "detinfer default"} for load in busy.LOADS)
+    assert all(fig[load][name][cell]["median"] > 0 for load in busy.LOADS for name in fig[load] for cell in ("prefill_8", "decode_4"))
+    assert set(fig["server"]) == set(busy.LOADS) and all(
+        set(f) == {"server 1t", "server default"} and all(x["median"] > 0 for x in f.values()) for f in fig["server"].values())
+    assert len(busy.floors(fig)) == 5
     out, md = tmp_path / "busy.json", tmp_path / "benchmarks.md"
     md.write_text("# Benchmarks\n\nbefore\n")
     busy.write_busy(result, out, md)
     busy.write_busy(result, out, md)  # replaced, not appended twice
     text = md.read_text()
     assert text.startswith("# Benchmarks\n\nbefore\n") and text.count(bench_report.BUSY_BEGIN) == 1
-    assert "| detinfer default |" in text and "default >= 0.9x 1 thread" in text
+    assert "| detinfer default |" in text and "| server default |" in text and "default >= 0.9x 1 thread" in text
     bench_report.write_report(_report(), tmp_path / "results.json", md)
     assert busy.markdown(result) in md.read_text()
     with pytest.raises(InputError, match="make bench-peers"):
         busy.run_busy([str(tiny_model)], runs=1, peer=True, peers_dir=tmp_path, progress=lambda msg: None)
+    together = serve._together
+    monkeypatch.setattr(serve, "_together", lambda server, n: together(server, n)[::-1])
+    with pytest.raises(DetinferError, match="differed from the same request alone"):
+        busy._servers(str(tiny_model), 1, lambda msg: None)
 
 
 def test_speculate_bench_checks_every_run_and_its_section_is_kept(tmp_path, model_path, monkeypatch):

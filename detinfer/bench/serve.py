@@ -35,16 +35,17 @@ PROMPTS = [f"Chapter {i + 1}. The {w} was" for i, w in enumerate(
 
 
 class _Server:
-    """``detinfer serve`` in a subprocess on a free loopback port, until :meth:`stop`."""
+    """``detinfer serve`` in a subprocess on a free loopback port, until :meth:`stop`; ``threads`` None: the
+    server's default."""
 
-    def __init__(self, model: str, *, threads: int, batch: int):
+    def __init__(self, model: str, *, threads: int | None, batch: int):
         import httpx
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "detinfer.cli", "serve", "--model", model, "--port", str(port), "--threads",
-               str(threads), "--batch", str(batch), "--ctx", "1024", "--max-queue", "16"]  # fmt: skip
+        cmd = [sys.executable, "-m", "detinfer.cli", "serve", "--model", model, "--port", str(port), "--batch", str(batch),
+               "--ctx", "1024", "--max-queue", "16"] + (["--threads", str(threads)] if threads is not None else [])  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 300
@@ -111,6 +112,18 @@ def _together(server: _Server, n: int) -> list[dict]:
     return out  # type: ignore[return-value]
 
 
+def measure(server: _Server, n: int, alone: list, what: str) -> dict:
+    """``n`` clients released together, each response checked against its prompt's ``alone`` hashes (a difference
+    raises DetinferError naming ``what``): aggregate tok/s, median seconds to the first token and of a request."""
+    got = _together(server, n)
+    if any(r["hashes"] != alone[i] for i, r in enumerate(got)):
+        raise DetinferError(f"{what}, {n} clients: a response differed from the same request alone; report this")
+    wall = max(r["end"] for r in got) - min(r["start"] for r in got)
+    return {"tok_s": round(sum(r["tokens"] for r in got) / wall, 1),
+            "first_token_s": round(statistics.median(r["first_s"] for r in got), 3),
+            "latency_s": round(statistics.median(r["end"] - r["start"] for r in got), 3)}  # fmt: skip
+
+
 def run_serve(models: Sequence[str], *, threads: Sequence[int], batches: Sequence[int], progress: Callable[[str], None]) -> dict:
     """Every client count of :data:`CLIENTS` at every ``threads`` and ``batches`` value, for every model (see the
     module docstring). Raises InputError for a bad count, DetinferError if a response's bytes depended on what ran
@@ -126,16 +139,8 @@ def run_serve(models: Sequence[str], *, threads: Sequence[int], batches: Sequenc
             try:
                 server.stream(PROMPTS[0])  # warm-up
                 alone = [server.stream(p)["hashes"] for p in PROMPTS]
-                rows: dict = {}
-                for n in CLIENTS:
-                    got = _together(server, n)
-                    if any(r["hashes"] != alone[i] for i, r in enumerate(got)):
-                        raise DetinferError(f"{display_name(model)} --batch {batch}, {n} clients: a response differed "
-                                            "from the same request alone; report this")  # fmt: skip
-                    wall = max(r["end"] for r in got) - min(r["start"] for r in got)
-                    rows[str(n)] = {"tok_s": round(sum(r["tokens"] for r in got) / wall, 1),
-                                    "first_token_s": round(statistics.median(r["first_s"] for r in got), 3),
-                                    "latency_s": round(statistics.median(r["end"] - r["start"] for r in got), 3)}  # fmt: skip
+                what = f"{display_name(model)} --batch {batch}"
+                rows = {str(n): measure(server, n, alone, what) for n in CLIENTS}
                 per_model[f"{n_threads}/{batch}"] = rows
             finally:
                 server.stop()

@@ -155,7 +155,8 @@ def bench_busy(
     markdown: Annotated[Path, typer.Option("--markdown", help="Markdown file whose busy section is replaced.")] = Path("docs/benchmarks.md"),
 ) -> None:
     """Prefill and decode idle and beside a busy loop holding one core: detinfer at 1, 2 and its default threads,
-    llama.cpp at 1 and 2. Use an otherwise idle machine."""
+    llama.cpp at 1 and 2; then a real server at --threads 1 and its default under 4 concurrent clients. Use an
+    otherwise idle machine."""
     from ..bench.busy import run_busy, write_busy
     from ..bench.suite import DEFAULT_MODELS
 
