@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
-from detinfer.bench.report import PROFILE_BEGIN, PROFILE_END, kept_section
+from detinfer.bench.report import PROFILE_BEGIN, PROFILE_END, replace_section
 from detinfer.compute import engine as engine_module
 from detinfer.compute import kernels, linear
 from detinfer.compute.engine import Engine, set_threads
@@ -206,10 +206,7 @@ def main() -> None:
         atomic_write_text(args.out, json.dumps(report, indent=1) + "\n")
     text = markdown(report, json.loads(args.before.read_text()) if args.before else None)
     if args.markdown:  # its own section of the file (docs/benchmarks.md keeps it when `detinfer bench` rewrites the rest)
-        old = args.markdown.read_text(encoding="utf-8") if args.markdown.exists() else ""
-        section = kept_section(args.markdown)
-        body = old.replace(section, "").rstrip("\n") if section else old.rstrip("\n")
-        atomic_write_text(args.markdown, (body + "\n\n" if body else "") + f"{PROFILE_BEGIN}\n{text}{PROFILE_END}\n")
+        replace_section(args.markdown, f"{PROFILE_BEGIN}\n{text}{PROFILE_END}\n", PROFILE_BEGIN, PROFILE_END)
     print(text)
 
 
