@@ -468,14 +468,14 @@ def test_serve_bench_checks_every_response_and_its_section_is_kept(tmp_path, mod
 def test_profile_section_replaces_only_itself(tmp_path):
     """bench/profile.py (rendering a stored profile, no measuring) rewrites its own section of docs/benchmarks.md
     and keeps every other command's section, wherever they stand (it once dropped the busy, serve, speculate and
-    lockstep sections when they stood in KEPT_SECTIONS order); control: a second render changes nothing."""
+    lockstep sections when they stood in KEPT_SECTIONS order), and a second render changes nothing."""
     repo = Path(__file__).resolve().parents[1]
     sections = {b: f"{b}\nfigures of {b}\n{e}\n" for b, e in bench_report.KEPT_SECTIONS if b != bench_report.PROFILE_BEGIN}
     md = tmp_path / "benchmarks.md"
     md.write_text("# Benchmarks\n\nsuite\n\n" + "".join(sections.values()) + f"{bench_report.PROFILE_BEGIN}\nold\n"
                   f"{bench_report.PROFILE_END}\n")  # fmt: skip
     render = [sys.executable, str(repo / "bench" / "profile.py"), "--render", str(repo / "bench" / "profile.json"),
-              "--markdown", str(md), "--label", "render"]  # fmt: skip
+              "--markdown", str(md)]  # fmt: skip
     subprocess.run(render, check=True, capture_output=True)
     text = md.read_text()
     assert text.startswith("# Benchmarks\n\nsuite\n") and all(s in text for s in sections.values())

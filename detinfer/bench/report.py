@@ -227,8 +227,7 @@ def kept_section(markdown_path: Path) -> str:
 
 
 def write_section(result: dict, out: Path, markdown_path: Path, section: str, begin: str, end: str) -> None:
-    """``result`` as JSON at ``out`` and ``section`` (its markdown, from ``begin`` to ``end``) in ``markdown_path``:
-    the section there replaced, or appended; each file written atomically."""
+    """``result`` as JSON at ``out`` (atomically) and ``section`` in ``markdown_path`` (:func:`replace_section`)."""
     atomic_write_text(out, json.dumps(result, indent=1, sort_keys=True) + "\n")
     replace_section(markdown_path, section, begin, end)
 
