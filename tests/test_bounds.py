@@ -390,7 +390,7 @@ def test_wide_constraints_under_the_cap_decode(engine, monkeypatch, kind: str, t
     c.check(engine.tokenizer)
     tokens, _, reason = _tokens(engine, "Pick one.", c, max_tokens=6)
     assert len(tokens) >= 2 and reason in ("eos", "max_tokens")
-    monkeypatch.setattr(constrain, "_LIMITS", llguidance.LLParserLimits(verbose_errors=False))
+    monkeypatch.setattr(constrain, "_ll", lambda: (llguidance, llguidance.LLParserLimits(verbose_errors=False)))
     monkeypatch.setattr(constrain, "PROBE_TOKENS", 0)
     c.check(engine.tokenizer)
     with pytest.raises(ConstraintError, match="failed at token .* after 0 tokens: .*Current row has"):

@@ -21,21 +21,24 @@ end-of-generation ones, whatever the grammar.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import json
 import re
 import threading
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import llguidance
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import ConstraintError, ManifestError
 from ..fileio import read_input_text, utf8_error
 from ..model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import llguidance
 
 KINDS = ("json_schema", "json_object", "regex", "lark")
 MAX_CONSTRAINT_BYTES = 64 * 1024  # UTF-8 bytes of a constraint's text: bigger schemas/grammars are refused
@@ -48,7 +51,15 @@ MASK_DIGEST_SEED = hashlib.sha256(b"detinfer-mask/1").hexdigest()
 # limit left is the one the first mask (computed when the Guide is built) exercises; per-token work stays bounded.
 _STEP_MAX_ITEMS = 50_000  # llguidance's default
 PROBE_TOKENS = 8  # tokens of the trial decode a Guide runs when it is built (see Guide._probe)
-_LIMITS = llguidance.LLParserLimits(verbose_errors=False, step_max_items=_STEP_MAX_ITEMS, max_items_in_row=_STEP_MAX_ITEMS)
+
+
+@functools.cache
+def _ll():
+    """llguidance and its parser limits, imported when a constraint is first used (a plain run need not pay for it)."""
+    import llguidance
+
+    limits = llguidance.LLParserLimits(verbose_errors=False, step_max_items=_STEP_MAX_ITEMS, max_items_in_row=_STEP_MAX_ITEMS)
+    return llguidance, limits
 
 
 def text_sha256(text: str) -> str:
@@ -110,11 +121,12 @@ class Constraint(BaseModel):
 
     def grammar(self) -> str:
         """The llguidance grammar (JSON text) for this constraint."""
+        matcher = _ll()[0].LLMatcher
         if self.kind == "lark":
-            return llguidance.LLMatcher.grammar_from_lark(self.text)
+            return matcher.grammar_from_lark(self.text)
         if self.kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(self.text)
-        return llguidance.LLMatcher.grammar_from_json_schema(self.text if self.kind == "json_schema" else JSON_OBJECT_SCHEMA)
+            return matcher.grammar_from_regex(self.text)
+        return matcher.grammar_from_json_schema(self.text if self.kind == "json_schema" else JSON_OBJECT_SCHEMA)
 
     def check(self, tokenizer: Tokenizer) -> None:
         """Compile against ``tokenizer`` and discard: ConstraintError (naming the problem) before any token."""
@@ -222,7 +234,8 @@ def ll_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
             eos = sorted(tokenizer.eog_ids)
             if not eos:
                 raise ConstraintError("this model has no end-of-generation token, so a constrained output could never end")
-            ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocabulary(tokenizer, eos)), eos_token=eos)
+            llg = _ll()[0]
+            ll = llg.LLTokenizer(llg.TokenizerWrapper(_Vocabulary(tokenizer, eos)), eos_token=eos)
             _LL_TOKENIZERS[tokenizer.hash] = ll
         return ll
 
@@ -256,7 +269,8 @@ def refuse_control_tokens(constraint: Constraint, tokenizer: Tokenizer) -> None:
     vocabulary warns about every token lexeme it meets, which backs up the scan that names them."""
     if constraint.kind != "lark":
         return
-    ok, messages = llguidance.LLMatcher.validate_grammar_with_warnings(constraint.grammar(), None, limits=_LIMITS)
+    llg, limits = _ll()
+    ok, messages = llg.LLMatcher.validate_grammar_with_warnings(constraint.grammar(), None, limits=limits)
     warned = [m for m in messages if "can't validate <" in m] if not ok else []
     if not warned:
         return
@@ -312,7 +326,8 @@ class Guide:
         self.n_consumed = 0
         refuse_control_tokens(constraint, tokenizer)
         self._control, self._eog = control_ids(tokenizer)
-        self.matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer), constraint.grammar(), log_level=0, limits=_LIMITS)
+        llg, limits = _ll()
+        self.matcher = llg.LLMatcher(ll_tokenizer(tokenizer), constraint.grammar(), log_level=0, limits=limits)
         self.digest = MASK_DIGEST_SEED
         self._fail(f"invalid {constraint.kind} constraint")
         self._first = self._allowed(self.matcher)  # an empty language errors here, before any token is generated

@@ -55,6 +55,13 @@ PREFETCH_BLOCKS = 2  # how many blocks ahead the weight stream is prefetched
 KV_TILE = 16  # K positions written per transposed row at a time (one 64-byte line of float32)
 
 
+def _prefetch_fn(builder):
+    """llvm.prefetch(ptr, rw, locality, cache type): a hint, never a fault, even past the end of an array."""
+    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+    fn = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+    return cgutils.get_or_insert_function(builder.module, fn, "llvm.prefetch.p0")
+
+
 @intrinsic
 def _prefetch(typingctx, arr, idx):
     """Software prefetch of ``arr[idx]`` (llvm.prefetch, read, high locality): a hint that changes no result."""
@@ -62,12 +69,8 @@ def _prefetch(typingctx, arr, idx):
     def codegen(context, builder, sig, args):
         ary = context.make_array(sig.args[0])(context, builder, args[0])
         ptr = builder.gep(ary.data, [args[1]])
-        i8p = ir.IntType(8).as_pointer()
         i32 = ir.IntType(32)
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0"
-        )
-        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
+        builder.call(_prefetch_fn(builder), [builder.bitcast(ptr, ir.IntType(8).as_pointer()), i32(0), i32(3), i32(1)])
         return context.get_dummy_value()
 
     return types.none(arr, types.intp), codegen
@@ -133,12 +136,16 @@ def _x86(builder, name, ret, args):
 PAIR_TIERS = ("avx512bw", "avx2")  # integer-dot tiers of vpmaddubsw (int16 pair sums) + vpmaddwd (to int32)
 
 
-def _sign_fix(builder, a, b):
-    """|a| and b * sign(a), byte-wise: the same products with an unsigned first operand (|a| <= 128)."""
+def _sign_fix(builder, tier, a, b):
+    """|a| and b * sign(a), byte-wise: the same products with an unsigned first operand (|a| <= 128). On the
+    avx2 tier b * sign(a) is one vpsignb (0 where a is 0, whose products are 0 either way); AVX-512 has none."""
     bv = _vec(_I8, 4 * a.type.count)
     zero = ir.Constant(bv, [0] * bv.count)
     a8, b8 = builder.bitcast(a, bv), builder.bitcast(b, bv)
     neg = builder.icmp_signed("<", a8, zero)
+    if tier == "avx2":
+        return (builder.bitcast(builder.select(neg, builder.sub(zero, a8), a8), a.type),
+                builder.bitcast(_x86(builder, "llvm.x86.avx2.psign.b", bv, [b8, a8]), b.type))  # fmt: skip
     return (builder.bitcast(builder.select(neg, builder.sub(zero, a8), a8), a.type),
             builder.bitcast(builder.select(neg, builder.sub(zero, b8), b8), b.type))  # fmt: skip
 
@@ -167,7 +174,7 @@ def _dot4(builder, tier, acc, a, b, signed):
     n = acc.type.count
     bv = _vec(_I8, 4 * n)
     if signed:
-        a, b = _sign_fix(builder, a, b)
+        a, b = _sign_fix(builder, tier, a, b)
     if tier == "vnni512":
         return _x86(builder, "llvm.x86.avx512.vpdpbusd.512", acc.type, [acc, a, b])
     # plain IR: products in 16 bits (|a b| <= 128 * 127), then pairs and quads of lanes added in 32 bits
@@ -307,7 +314,23 @@ def _make_qblock(nt):
                 acc[t][h] = builder.add(acc[t][h], _widen(builder, tier, total))
                 pending[t][h].clear()
 
+            ahead = nt == 1 and PREFETCH_BLOCKS > 0
+
+            def prefetch(i, off):  # byte ``off`` of arg i's block PREFETCH_BLOCKS on (a group's blocks are contiguous)
+                size = builder.mul(arr[i].nitems, arr[i].itemsize)
+                p = builder.gep(ptr(i, _I8), [builder.mul(size, size.type(PREFETCH_BLOCKS))])
+                builder.call(_prefetch_fn(builder), [builder.gep(p, [_I32(off)]), _I32(0), _I32(3), _I32(1)])
+
+            if ahead:  # the higher bits' and scales' lines first, the codes' a line set at a time between the loads
+                for i in (1, 4, 5, 6):
+                    if i in arr:
+                        size = ROWS * max(1, planes if i == 1 else 1) * sig.args[i].dtype.bitwidth // 8
+                        for off in range(0, size, 64):
+                            prefetch(i, off)
             for r0 in range(0, ROWS, n):
+                if ahead and r0 % 16 == 0:
+                    for g in range(4 if nibbles else 8):
+                        prefetch(0, 4 * (g * ROWS + r0))
                 acc = [list(a) for a in starts]
                 pending = [[[] for _ in range(n_acc)] for _ in range(nt)]
                 high = [vload(ptr(1, _I32), p * ROWS + r0, vi) for p in range(planes)]
@@ -327,7 +350,7 @@ def _make_qblock(nt):
                             if not deferred:
                                 acc[t][h] = _dot4(builder, tier, acc[t][h], codes, xs[t][xg], signed and not biased)
                                 continue
-                            a, b = _sign_fix(builder, codes, xs[t][xg]) if signed else (codes, xs[t][xg])
+                            a, b = _sign_fix(builder, tier, codes, xs[t][xg]) if signed else (codes, xs[t][xg])
                             pend = pending[t][h]
                             pend.append(_pairs(builder, tier, a, b))
                             if len(pend) == deferred:
@@ -458,11 +481,12 @@ def matmul_q(qs, qh, d, d_hi, m, z, d_super, m_super, xq, dx, sx, slices, out):
         sdg, smg = _sub(d_super, g), _sub(m_super, g)
         acc = np.zeros(max(0, t_hi - t_lo) * ROWS, np.float32)
         for b in range(nb):
-            _prefetch_rows(qg, b + PREFETCH_BLOCKS)
-            _prefetch_rows(qhg, b + PREFETCH_BLOCKS)
-            _prefetch_rows(dg, b + PREFETCH_BLOCKS)
-            _prefetch_rows(hg, b + PREFETCH_BLOCKS)
-            _prefetch_rows(mg, b + PREFETCH_BLOCKS)
+            if t_hi - t_lo >= TOKENS:  # _qblock1 prefetches its own rows, between its loads
+                _prefetch_rows(qg, b + PREFETCH_BLOCKS)
+                _prefetch_rows(qhg, b + PREFETCH_BLOCKS)
+                _prefetch_rows(dg, b + PREFETCH_BLOCKS)
+                _prefetch_rows(hg, b + PREFETCH_BLOCKS)
+                _prefetch_rows(mg, b + PREFETCH_BLOCKS)
             qb, qhb, db, hb, mb = qg[b], _sub(qhg, b), dg[b], _sub(hg, b), _sub(mg, b)
             sdb, smb = _sub(sdg, b // 8), _sub(smg, b // 8)
             t = t_lo
