@@ -28,6 +28,7 @@ TIER_CASES = [
     ("haswell", "+avx512f,+avx512bw,+avx512vnni", "vnni512"),  # features given explicitly count
     ("znver3", "", "avx2"),
     ("generic", "", "generic"),
+    ("", "", "generic"),  # NUMBA_CPU_NAME set but empty: numba hands LLVM "", its generic CPU, not the host's
     ("cortex-a72", "", "generic"),  # a CPU the table does not know: plain IR, which every target compiles
 ]
 

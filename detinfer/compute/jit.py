@@ -123,7 +123,7 @@ def int_dot_tier() -> str:
     from llvmlite import binding as ll
     from numba.core import codegen, config
 
-    name = config.CPU_NAME or ll.get_host_cpu_name()
+    name = config.CPU_NAME if config.CPU_NAME is not None else ll.get_host_cpu_name()  # as numba's codegen picks it
     features = config.CPU_FEATURES if config.CPU_FEATURES is not None else codegen.get_host_cpu_features()
     flags = {f[1:]: f[0] == "+" for f in features.split(",") if f[:1] in "+-" and len(f) > 1}
     have = set()

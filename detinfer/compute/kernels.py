@@ -51,7 +51,7 @@ if FASTMATH:
 
 # ROWS output rows per repacked group, QK elements per block (detinfer/model/weights.py: the layout). Loops over rows
 # take a runtime trip count: a compile-time one made LLVM unroll them into scalar code instead of vectorizing.
-PREFETCH_BLOCKS = 2  # how many blocks ahead the weight stream is prefetched
+PREFETCH_BLOCKS = 4  # how many blocks ahead the weight stream is prefetched
 KV_TILE = 16  # K positions written per transposed row at a time (one 64-byte line of float32)
 
 

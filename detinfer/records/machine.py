@@ -24,7 +24,8 @@ def machine() -> dict[str, str]:
 
     host_features = {f[1:] for f in llvm.get_host_cpu_features().flatten().split(",") if f.startswith("+")}
     libc = " ".join(platform.libc_ver()).strip() or platform.system()
-    target = numba.config.CPU_NAME or llvm.get_host_cpu_name()
+    name = numba.config.CPU_NAME  # numba hands LLVM an empty name as is: its generic CPU
+    target = llvm.get_host_cpu_name() if name is None else name or "generic"
     return {
         "cpu": cpu_name(),
         "arch": platform.machine(),
