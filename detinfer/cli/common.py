@@ -81,7 +81,7 @@ def flag(*names: str, help: str) -> Any:  # noqa: A002 (typer's name)
     return typer.Option(*names, help=help, metavar="")
 
 
-ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Registry name or path to a .gguf file.")]
+ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help=f"Registry name or path to a .gguf file (default: {api.DEFAULT_MODEL}).")]
 CtxOpt = Annotated[int, typer.Option("--ctx", "-c", "--ctx-size", help="KV cache positions (n_ctx), at most the model's context length.")]
 KvOpt = Annotated[str, typer.Option("--kv-type", help="KV cache type: f32 or f16. Quantized types are rejected.")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", help="Threads (default: the cores other processes leave free). Never changes a result.")]

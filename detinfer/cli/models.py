@@ -23,6 +23,7 @@ def pull(
         path = api.pull(name or api.DEFAULT_MODEL, force=force)
     except DetinferError as e:
         fail(e)
+    err.print(f"{escape(path.name)}: size and sha256 verified")  # stdout stays the path alone, for scripts
     out.print(str(path))
 
 
