@@ -140,9 +140,11 @@ def test_a_worker_killed_mid_item_is_retried_on_another_and_nothing_is_lost_or_c
 
     def on_dispatch(i: int, pid: int) -> None:
         dispatched.append((i, pid))
-        if not killed:  # the first item's worker is killed as soon as the item is sent: a fresh worker takes far
-            killed.append(pid)  # longer than this call to load the model, so the item is always in flight (a
-            os.kill(pid, signal.SIGKILL)  # timer of 0.5 s lost that race on a fast runner)
+        if not killed:
+            # the first item's worker is killed as soon as the item is sent: a fresh worker takes far longer than
+            # this to load the model, so the item is in flight (a kill 0.5 s later lost that race on a fast runner)
+            killed.append(pid)
+            os.kill(pid, signal.SIGKILL)
 
     arrived: list[int] = []
     writer = BatchWriter(tmp_path / "out")
