@@ -192,12 +192,12 @@ def quantize_ref(x: np.ndarray):
     xb = x.reshape(x.shape[0], -1, QK)
     amax = np.abs(xb).max(axis=2)
     finite = np.isfinite(xb).all(axis=2)
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         dx = np.where(amax > 0, amax / f(127), f(0)).astype(f)
         inv = np.where(amax > 0, f(127) / amax, f(0)).astype(f)
         xq = np.clip(np.rint((xb * inv[..., None]).astype(f)), -127, 127)
     dx[~finite] = np.nan
-    xq = np.where(finite[..., None], xq, 0).astype(np.int64)
+    xq = np.where(finite[..., None] & ~np.isnan(xq), xq, 0).astype(np.int64)  # NaN (0 * inf) -> code 0
     sx = xq.reshape(x.shape[0], -1, 2, QK // 2).sum(axis=3).reshape(x.shape[0], -1)
     return xq.reshape(x.shape), dx, sx
 
@@ -555,6 +555,23 @@ def test_quantize_blocks_follows_its_definition_and_reconstructs_x():
     with np.errstate(divide="ignore", invalid="ignore"):
         down = np.floor(xb * (127 / np.abs(xb).max(axis=2, keepdims=True)))
     assert not (np.abs(xb - down * step)[finite] <= (0.5 + 1e-5) * step[finite]).all()
+
+
+def test_quantize_blocks_of_blocks_too_small_for_their_scale():
+    # amax below 127 / FLT_MAX: inv = 127 / amax is inf, so nonzero x saturate at +-127 and 0 * inf (NaN) gets code 0
+    x = np.zeros((1, 96), np.float32)
+    x[0, :32] = np.float32(1e-45) * np.arange(-16, 16, dtype=np.float32)  # denormals and one zero: d underflows to 0
+    x[0, 32:64] = np.float32(1e-38) * np.linspace(-1, 1, 32, dtype=np.float32)
+    x[0, 64:96] = -0.0  # -0.0 everywhere: an all-zero block, scale 0
+    a = Activations.of(x)
+    xq, dx, sx = quantize_ref(x)
+    assert_bytes_equal(a.dx, dx, "block scales vs their definition")
+    assert np.array_equal(a.xq, xq) and np.array_equal(a.sx, sx), "codes or half sums differ from the definition"
+    assert a.xq[0, 16] == 0 and (np.abs(a.xq[0, :16]) == 127).all() and dx[0, 0] == 0 and not a.xq[0, 64:].any()
+    # negative control: without the NaN rule the reference's code for 0 * inf is not 0
+    with np.errstate(invalid="ignore", over="ignore"):
+        raw = np.clip(np.rint(x[0, :32] * (np.float32(127) / np.abs(x[0, :32]).max())), -127, 127)
+    assert np.isnan(raw[16]) and not np.array_equal(raw, a.xq[0, :32])
 
 
 def test_rmsnorm_matches_float64():

@@ -390,6 +390,28 @@ _qblock1 = _make_qblock(1)
 
 MAGIC = np.float32(12582912.0)  # 1.5 * 2^23: (v + MAGIC) - MAGIC is float32 v rounded to an integer (ties to even), |v| < 2^22
 Q8_MAX = np.float32(127.0)
+INF_BITS = np.uint32(0x7F800000)  # the bits of float32 +inf
+
+
+@intrinsic
+def _abs_bits(typingctx, x):
+    """The bits of |x| (float32) as uint32: for finite values they order as the values do; inf and NaN are the
+    ones >= INF_BITS."""
+
+    def codegen(context, builder, sig, args):
+        return builder.and_(builder.bitcast(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 0x7FFFFFFF))
+
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def _bits_f32(typingctx, u):
+    """The float32 whose bits are the uint32 ``u`` (a bitcast)."""
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.uint32), codegen
 
 
 @njit(cache=True)
@@ -403,28 +425,28 @@ def quantize_blocks(x, xq, dx, sx):
     dx[t, b] = d (float32 [T, n // 32]); sx[t, 2b] and sx[t, 2b+1]: sums of the block's codes 0-15 and 16-31
     (int32 [T, n // 16]).
     A block holding inf or NaN gets codes 0 and d = NaN, so the products it feeds are NaN, as in float arithmetic.
+    In a block of amax below 127 / FLT_MAX (~3.7e-37) inv is inf, so x * inv is +-inf (codes +-127) and 0 * inv NaN,
+    which gets code 0.
     """
     for t in range(x.shape[0]):
         xt, qt, dt, st = x[t], xq[t], dx[t], sx[t]
         for b in range(dt.shape[0]):
-            amax = np.float32(0.0)
-            finite = True
+            top = np.uint32(0)  # the largest |x| as bits: an integer max, which LLVM vectorizes where a float max cannot
             for e in range(b * QK, b * QK + QK):
-                a = abs(xt[e])
-                finite &= a - a == np.float32(0.0)  # false for inf and NaN
-                amax = max(amax, a)
-            if not finite:
-                d = inv = np.float32(np.nan)
-            elif amax == np.float32(0.0):
+                top = max(top, _abs_bits(xt[e]))
+            if top >= INF_BITS:  # inf or NaN: x * 0 is NaN or 0, so every code is 0
+                d, inv = np.float32(np.nan), np.float32(0.0)
+            elif top == 0:
                 d = inv = np.float32(0.0)
             else:
+                amax = _bits_f32(top)
                 d, inv = amax / Q8_MAX, Q8_MAX / amax
             dt[b] = d
             for h in range(2):
                 s = 0
                 for e in range(b * QK + 16 * h, b * QK + 16 * h + 16):
-                    v = (xt[e] * inv + MAGIC) - MAGIC if finite else np.float32(0.0)
-                    c = np.int8(min(max(v, -Q8_MAX), Q8_MAX))
+                    v = (xt[e] * inv + MAGIC) - MAGIC
+                    c = np.int8(min(max(v, -Q8_MAX), Q8_MAX)) if v == v else np.int8(0)  # NaN: no int8 (LLVM: poison)
                     qt[e] = c
                     s += c
                 st[2 * b + h] = s
