@@ -66,6 +66,31 @@ def test_a_busy_core_lowers_the_default_count_and_no_byte_moves(engine, monkeypa
         set_threads(None)
 
 
+@pytest.mark.parametrize("pause_s, expected", [(threads.PAUSE_S, 0), (float("inf"), -1)])
+def test_a_process_that_ran_while_this_one_paused_takes_no_core(engine, monkeypatch, pause_s, expected):
+    """Another process busy only while this one waits between forward passes (for the next request; for its turn
+    in a benchmark) leaves the count at every core. The control (no pause ends a window, as before) drops to one
+    thread fewer: two detinfer processes taking turns on an idle machine each ran at 1 thread."""
+    limit = numba.config.NUMBA_NUM_THREADS
+    if limit < 2:
+        pytest.skip("one core: there is no count to choose")
+    monkeypatch.setattr(threads, "PAUSE_S", pause_s)
+    monkeypatch.setattr(threads, "STALE_S", 10.0)  # only the pause rule may end the window, however slow the runner
+    ids = engine.tokenizer.encode("The capital of France is Paris.")
+    set_threads(None)
+    try:
+        _forward(engine, ids, 2 * threads.WINDOW_S)
+        assert numba.get_num_threads() == limit, "an idle machine: every core"
+        loop = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        time.sleep(0.6)  # this thread's pause: the window spans it
+        loop.kill()
+        loop.wait()
+        engine.forward(ids, engine.new_cache())  # its first chunk closes the window
+        assert numba.get_num_threads() == limit + expected
+    finally:
+        set_threads(None)
+
+
 def test_without_proc_stat_the_default_is_every_core(monkeypatch):
     monkeypatch.setattr(threads, "_machine_busy_s", lambda: None)
     assert set_threads(None) == numba.config.NUMBA_NUM_THREADS

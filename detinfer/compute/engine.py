@@ -29,7 +29,7 @@ from .jit import check_target
 from .kvcache import KVCache, KVPool, check_kv_fits, kv_bytes_per_number, parse_kv_type
 from .linear import Activations, matmul, project
 from .precompile import warm
-from .threads import adapt_threads, set_threads
+from .threads import forward_pass, set_threads
 
 __all__ = ["DEFAULT_CHUNK", "DEFAULT_N_CTX", "Engine", "check_chunk_size", "set_threads"]
 
@@ -214,11 +214,11 @@ class Engine:
             chunk = ids[start : start + chunk_size]
             T = chunk.shape[0]
             last = start + T == n
-            adapt_threads()
-            if all_logits:
-                self._forward_chunk(chunk, [(cache, T)], logits[start : start + T], slice(0, T))
-            else:
-                self._forward_chunk(chunk, [(cache, T)], logits if last else None, slice(T - 1, T))
+            with forward_pass():
+                if all_logits:
+                    self._forward_chunk(chunk, [(cache, T)], logits[start : start + T], slice(0, T))
+                else:
+                    self._forward_chunk(chunk, [(cache, T)], logits if last else None, slice(T - 1, T))
         return logits if all_logits else logits[0]
 
     def forward_batch(self, batch: Sequence[tuple[Sequence[int], KVCache, bool]]) -> list[np.ndarray]:
@@ -242,9 +242,9 @@ class Engine:
             rows.extend(range(start, start + len(seq)) if all_logits else [start + len(seq) - 1])
             start += len(seq)
         logits = np.empty((len(rows), self.config.n_vocab), np.float32)
-        adapt_threads()
-        self._forward_chunk(np.concatenate(ids), [(cache, len(seq)) for seq, (_, cache, _) in zip(ids, batch)], logits,
-                            np.asarray(rows, dtype=np.int64))  # fmt: skip
+        with forward_pass():
+            self._forward_chunk(np.concatenate(ids), [(cache, len(seq)) for seq, (_, cache, _) in zip(ids, batch)],
+                                logits, np.asarray(rows, dtype=np.int64))  # fmt: skip
         out, at = [], 0
         for seq, (_, _, all_logits) in zip(ids, batch):
             k = len(seq) if all_logits else 1

@@ -7,12 +7,16 @@ it a slice, and every region waits for it: two threads beside one busy loop deco
 kernel's accounting: over each window of WINDOW_S seconds, the machine's busy CPU time (/proc/stat) minus this
 process's own (its spinning threads included) is the load of everyone else; the count is the number of cores
 that load leaves, rounded down (a core more than three-quarters free counts), at least 1, at most the cores numba
-started with. The count never changes a result (kernels parallelise over independent outputs only); it is chosen
-per calling thread, as numba's count is. Where /proc/stat cannot be read, all cores are used.
+started with. A pause of this thread between forward passes ends a window uncounted: another process that ran
+while this one waited (for the next request; for its turn in a benchmark) took no core from it, and counting it
+made each of two detinfer processes taking turns on an idle machine run at 1 thread. The count never changes a
+result (kernels parallelise over independent outputs only); it is chosen per calling thread, as numba's count
+is. Where /proc/stat cannot be read, all cores are used.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -27,9 +31,11 @@ WINDOW_S = 0.2  # seconds of accounting per choice: a few hundred decode steps' 
 FIRST_WINDOW_S = 0.05  # a process's first choice, made before its first forward pass
 STALE_S = 1.0  # a window this old spans a pause of this thread: others' load then says nothing of now; start anew
 FREE_FRACTION = 0.75  # a core whose other load is below a quarter of it counts as free
+PAUSE_S = 0.1  # this long between two forward passes of a thread (longer than any step's sampling) is a pause
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
-_local = threading.local()  # per calling thread: auto (bool), window start (time, machine busy s, own cpu s)
+# per calling thread: auto (bool), window start (time, machine busy s, own cpu s), end of its last forward pass
+_local = threading.local()
 _last_choice: int | None = None  # the last automatic count of any thread: where a new one starts
 
 
@@ -87,9 +93,10 @@ def set_threads(threads: int | None) -> int:
 
 
 def adapt_threads(close: bool = False) -> None:
-    """Called before each forward chunk: with automatic threads, close the accounting window once WINDOW_S seconds
-    have passed (or now, with ``close``) and set the count for the next one (a window older than STALE_S, which
-    spans a pause of this thread, only starts a new one). Costs a clock read between windows."""
+    """With automatic threads, close the accounting window once WINDOW_S seconds have passed (or now, with
+    ``close``) and set the count for the next one (a window older than STALE_S, which spans a pause of this
+    thread, only starts a new one; :func:`forward_pass` drops one that spans a shorter pause). Costs a clock read
+    between windows."""
     global _last_choice
     if not getattr(_local, "auto", False):
         return
@@ -108,6 +115,19 @@ def adapt_threads(close: bool = False) -> None:
             numba.set_num_threads(n)
         _last_choice = n
     _local.window = (time.monotonic(), busy, own)
+
+
+@contextmanager
+def forward_pass() -> Iterator[None]:
+    """Around each forward chunk: :func:`adapt_threads` before it, after dropping the window if this thread paused
+    for more than PAUSE_S since its last pass (what ran meanwhile did not compete with it)."""
+    if time.monotonic() - getattr(_local, "last_end", math.inf) > PAUSE_S:
+        _local.window = None
+    adapt_threads()
+    try:
+        yield
+    finally:
+        _local.last_end = time.monotonic()
 
 
 @contextmanager
