@@ -254,10 +254,9 @@ class Engine:
 
     def _ffn(self, layer, s: _Scratch, norm, ffn_act, eps: np.float32) -> None:
         """The FFN block of ``layer`` on the residual stream s.x, in place (with gemma3's post-FFN norm)."""
-        n_ff = self.config.n_ff
         norm(s.x, layer.ffn_norm, eps, s.xn)
         project(layer.ffn_gate_up, s.xn, self._codes(s, s.xn), s.gate_up)
-        ffn_act(s.gate_up[:, :n_ff], s.gate_up[:, n_ff:], s.ffn)
+        ffn_act(s.gate_up, s.ffn)
         project(layer.ffn_down, s.ffn, self._codes(s, s.ffn), s.proj)
         if layer.post_ffw_norm is not None:
             norm(s.proj, layer.post_ffw_norm, eps, s.proj)
