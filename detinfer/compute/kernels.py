@@ -37,7 +37,7 @@ from numba.extending import intrinsic, overload
 from ..model.quants import QK, f32_to_f16_bits
 from ..model.weights import ROWS
 from . import jit
-from .numerics import exp32, log32, pow64, sincos64
+from .numerics import exp32, from_bits, log32, pow64, sincos64
 
 # Benchmark only (detinfer.bench measures the cost of the contract): DETINFER_BENCH_FASTMATH=1, read once at import,
 # compiles every kernel with fastmath, which breaks bit-identity. The bench worker gives it its own NUMBA_CACHE_DIR.
@@ -404,16 +404,6 @@ def _abs_bits(typingctx, x):
     return types.uint32(types.float32), codegen
 
 
-@intrinsic
-def _bits_f32(typingctx, u):
-    """The float32 whose bits are the uint32 ``u`` (a bitcast)."""
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return types.float32(types.uint32), codegen
-
-
 @njit(cache=True)
 def quantize_blocks(x, xq, dx, sx):
     """Activations to 8-bit block codes, the integer side of :func:`matmul_q` (as llama.cpp's ``quantize_row_q8_0``
@@ -445,7 +435,7 @@ def quantize_blocks(x, xq, dx, sx):
             elif top == 0:
                 d = inv = np.float32(0.0)
             else:
-                amax = _bits_f32(top)
+                amax = from_bits(top)
                 d, inv = amax / Q8_MAX, Q8_MAX / amax
             dt[b] = d
             for e in range(lo, lo + qk):

@@ -58,13 +58,17 @@ def fma64(typingctx, a, b, c):
 
 
 @intrinsic
-def _from_bits(typingctx, i):
-    """The float64 whose IEEE-754 bits are the int64 ``i``."""
+def from_bits(typingctx, i):
+    """The float whose IEEE-754 bits are the integer ``i``: a float64 for a 64-bit integer, a float32 for a 32-bit
+    one (a bitcast)."""
+    if not isinstance(i, types.Integer) or i.bitwidth not in (32, 64):
+        return None
+    ftype, irtype = (types.float64, ir.DoubleType()) if i.bitwidth == 64 else (types.float32, ir.FloatType())
 
     def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.DoubleType())
+        return builder.bitcast(args[0], irtype)
 
-    return types.float64(types.int64), codegen
+    return ftype(i), codegen
 
 
 @intrinsic
@@ -116,7 +120,7 @@ def _exp_reduced(xd, q):
     for j in range(1, len(q)):
         p = fma64(p, r, q[j])
     e = fma64(r * r, p, r) + 1.0
-    return e * _from_bits((_bits(t) + 1023) << 52)  # t's low bits hold k: 2^k from integer ops, which vectorize
+    return e * from_bits((_bits(t) + 1023) << 52)  # t's low bits hold k: 2^k from integer ops, which vectorize
 
 
 @njit(cache=True, error_model="numpy")
@@ -141,7 +145,7 @@ def log64(x):
     result e LN2_HI + (e LN2_LO + log m). About 1 ulp."""
     b = _bits(x)
     e = ((b >> 52) & 0x7FF) - 1023
-    m = _from_bits((b & 0xFFFFFFFFFFFFF) | (np.int64(1023) << 52))
+    m = from_bits((b & 0xFFFFFFFFFFFFF) | (np.int64(1023) << 52))
     if m > SQRT2:
         m = m * 0.5
         e += 1
