@@ -7,6 +7,7 @@ one-token decode all produce the same bytes for the same token at the same posit
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 from contextlib import contextmanager
@@ -78,6 +79,17 @@ def _gc_paused():
             gc.enable()
 
 
+def _trim_heap() -> None:
+    """Give the C heap's free pages back to the OS (glibc's ``malloc_trim``; elsewhere nothing). A load frees far
+    more than it keeps, most of it the tokenizer build's conversions of a 262k-token vocabulary and its merges, but
+    glibc returns only the top of its heap by itself: Gemma 3's peak RSS after a 2048-token prefill fell from 634 to
+    613 MB."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):
+        pass
+
+
 class Engine:
     """A model ready to run: file, config, tokenizer, chat template, repacked weights and RoPE tables.
 
@@ -138,7 +150,9 @@ class Engine:
         parse_kv_type(kv_type)
         check_target()  # a DETINFER_CPU_LEVEL configure() could not use fails here, before anything compiles
         with _gc_paused():
-            return cls(ModelFile(resolve_model(model), use_index=not rederive), n_ctx=n_ctx, kv_type=kv_type)
+            engine = cls(ModelFile(resolve_model(model), use_index=not rederive), n_ctx=n_ctx, kv_type=kv_type)
+        _trim_heap()
+        return engine
 
     def warm_up(self) -> None:
         """Compile (first run) or load from numba's cache every kernel the engine uses, outside any timing: a 2-token
