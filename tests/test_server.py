@@ -387,6 +387,28 @@ def test_api_key_required(engine):
         running.stop()
 
 
+def test_the_warm_up_and_every_forward_pass_run_on_the_decode_thread(engine, monkeypatch):
+    # numba's OpenMP layer gives every thread that runs a parallel kernel its own pool: a warm-up on the main
+    # thread left a second pool, and with more pool threads than cores 2-thread passes ran 2.5x slower than 1
+    ran: list[tuple[str, int]] = []
+    warm_up, forward_batch = Engine.warm_up, Engine.forward_batch
+    monkeypatch.setattr(Engine, "warm_up", lambda e: (ran.append(("warm_up", threading.get_ident())), warm_up(e))[1])
+    monkeypatch.setattr(Engine, "forward_batch", lambda e, b: (ran.append(("forward", threading.get_ident())), forward_batch(e, b))[1])
+    app = create_app(engine, ServerSettings(threads=1))
+    worker = app.state.server.worker
+    worker.warm_up()
+    running = _Running(app)
+    try:
+        openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0).completions.create(
+            model=MODEL, prompt="The capital of France is", max_tokens=3)
+    finally:
+        running.stop()
+    assert [k for k, _ in ran[:1]] == ["warm_up"] and "forward" in {k for k, _ in ran}
+    assert {ident for _, ident in ran} == {worker.thread.ident} != {threading.get_ident()}
+    engine.warm_up()  # the control: called here, the recorder sees this thread
+    assert ran[-1] == ("warm_up", threading.get_ident())
+
+
 def test_disconnect_frees_slot(server, client):
     with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=30, json={
             "model": MODEL, "messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 400,

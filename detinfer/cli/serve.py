@@ -61,13 +61,13 @@ def serve(
         sock = listen.bind(host, port)
         llm = api.load(model, n_ctx=ctx, kv_type=kv_type, threads=threads, chat_template=chat_template, speculate=speculate)  # the decode worker sets threads again on its own thread
         engine = llm.engine
-        compiling(llm.warm_up)
         settings = ServerSettings(max_queue=max_queue, max_inflight=max_inflight, threads=threads, cache_bytes=cache_bytes,
                                   record_dir=record_dir, api_key=api_key or None, send_timeout=send_timeout,
                                   chat_template=llm.chat_template, drain_s=drain, body_timeout=read_timeout,
                                   aliases=tuple(alias or ()), kv_dir=kv_dir, kv_dir_bytes=kv_dir_bytes, speculate=speculate,
                                   batch=batch)
         app_ = create_app(engine, settings)
+        compiling(app_.state.server.worker.warm_up)  # on the decode thread, which runs every forward pass
     except DetinferError as e:
         fail(e)
     err.print(f"serving {escape(str(engine.model_file.path.name))} on http://{host}:{port}/v1"

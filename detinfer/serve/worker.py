@@ -102,9 +102,26 @@ class Worker:
         self.recorder = Recorder(record_dir, engine, chat_template) if record_dir is not None else None
         self.thread = threading.Thread(target=self._loop, name="detinfer-decode", daemon=True)
         self.running: list[_Running] = []  # the jobs of the current step (only the decode thread changes it)
+        self._ready = threading.Event()  # set when the thread's warm-up is over
+        self._warm_up: tuple[bool, BaseException | None] = (False, None)  # (it compiled, what it raised)
 
     def start(self) -> None:
-        self.thread.start()
+        """Start the decode thread (once; a second call does nothing)."""
+        if self.thread.ident is None:
+            self.thread.start()
+
+    def warm_up(self) -> bool:
+        """Start the decode thread and wait while it compiles or loads every kernel (Engine.warm_up); True if it
+        compiled. It must be that thread: numba's OpenMP layer gives each thread that runs a parallel kernel a
+        thread pool of its own, and with more pool threads than cores they stop spinning between parallel regions,
+        so each region waits for a wake-up (a server whose main thread warmed up decoded 4 rows at 2 threads 2.5x
+        slower than at 1, docs/benchmarks.md). Raises what the warm-up raised."""
+        self.start()
+        self._ready.wait()
+        compiled, error = self._warm_up
+        if error is not None:
+            raise error
+        return compiled
 
     def stop(self) -> None:
         """Cancel the running job and every queued one, then wait at most ``drain_s`` for the thread (a daemon: the
@@ -125,6 +142,13 @@ class Worker:
 
     def _loop(self) -> None:
         set_threads(self.threads)  # numba's thread count is per calling thread
+        try:
+            self._warm_up = (self.engine.warm_up(), None)
+        except BaseException as e:  # noqa: BLE001 - handed to warm_up's caller
+            self._warm_up = (False, e)
+            return
+        finally:
+            self._ready.set()
         free: list[KVCache] = []  # caches no job holds, kept for the prefixes they hold
         stopping = False
         while True:
