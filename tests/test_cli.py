@@ -107,6 +107,7 @@ def test_chat_and_messages_agree(home: Path, model_path: Path, tmp_path: Path):
     assert chat.prompt.rendered.endswith("<|im_start|>assistant\n")
     assert chat.prompt.token_ids[0] == 1  # <|im_start|> parsed as the control token, not as text
     assert chat.chat_template_sha256 is not None
+    assert "raw text" not in r.stderr
 
     messages = tmp_path / "messages.json"
     messages.write_text(json.dumps([{"role": "user", "content": QUESTION}]))
@@ -131,6 +132,7 @@ def test_stop_string_is_never_emitted(home: Path, model_path: Path, tmp_path: Pa
     assert stop not in r.stdout and "The" not in r.stdout
     assert r.stdout == " Paris.\n"
     assert m.sampling.stop == [stop, "zzz"]
+    assert f"{len(m.prompt.token_ids)} prompt tokens, raw text (--chat formats it" in r.stderr  # not --chat: the hint
 
 
 def test_info_kv_sizes(home: Path, model_path: Path):
@@ -290,7 +292,7 @@ def test_bracketed_names_are_text_not_markup(home: Path, tiny_dir: Path, tmp_pat
     out = tmp_path / "[" / "x]" / "run.json"  # the path contains "[/x]"
     r = cli(home, "run", "--model", model, "--prompt", "hi", "--max-tokens", "1", "--ctx", "16", "--out", out)
     ok(r)
-    assert "[bold]x.gguf: 1 prompt tokens" in r.stderr and "[/x]/run.json" in r.stderr
+    assert "[bold]x.gguf: 1 prompt token" in r.stderr and "1 prompt tokens" not in r.stderr and "[/x]/run.json" in r.stderr
     r = cli(home, "run", "--manifest", out, "--quiet")
     ok(r)
     assert "[/x]/run.json" in r.stderr

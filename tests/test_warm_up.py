@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,11 +49,13 @@ def test_warm_up_for_a_level_then_run_compiles_nothing_and_another_target_does(m
     at_level = _detinfer(*run, "--out", tmp_path / "level.json", cache=cache, level=level)
     assert at_level.returncode == 0, at_level.stderr
     assert _files(cache) == kept  # every kernel (prefill, decode, sampling) came from the warm-up
+    assert "compiled the kernels in" not in at_level.stderr
     again = _detinfer("warm-up", model_path, cache=cache, level=level)
     assert "every kernel loaded from the JIT cache" in again.stdout and _files(cache) == kept
     host = _detinfer(*run, "--out", tmp_path / "host.json", cache=cache, level=None)
     assert host.returncode == 0, host.stderr
     assert _files(cache) > kept  # the control: the host's target is another key, so it compiled its own
+    assert re.search(r"compiled the kernels in \d+\.\d s; numba's JIT cache keeps them", host.stderr), host.stderr
     assert _output(tmp_path / "host.json") == _output(tmp_path / "level.json")
 
 

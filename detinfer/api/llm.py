@@ -237,10 +237,11 @@ class LLM:
                               speculate=self.speculate)
         return Stream(steps, self.engine, self.threads, p.token_ids)
 
-    def warm_up(self) -> None:
-        """Compile (first run) or load from numba's cache every kernel this model's forward pass uses."""
+    def warm_up(self) -> bool:
+        """Compile (first run) or load from numba's cache every kernel this model's forward pass uses; True if any
+        kernel compiled."""
         set_threads(self.threads)
-        self.engine.warm_up()
+        return self.engine.warm_up()
 
     def session(self, script: str | os.PathLike | dict[str, Any] | SessionScript, *, cache_bytes: int = 1 << 30,
                 out: str | os.PathLike | None = None, kv_dir: str | os.PathLike | None = None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Annotated, Any, Callable, NoReturn, Optional
 
@@ -124,20 +125,24 @@ def check_outputs(files: dict[str, Optional[Path]], dirs: Optional[dict[str, Opt
             check_output_dir(path, option)
 
 
-def compiling(warm_up: Callable[[], None]) -> None:
-    """Run ``warm_up`` (compile on a first run, else load the kernels from numba's cache) with a status on stderr: a
-    spinner on a terminal, elsewhere one line if it takes over COMPILE_STATUS_DELAY_S. stdout stays clean."""
+def compiling(warm_up: Callable[[], bool]) -> None:
+    """Run ``warm_up`` (compile on a first run, else load the kernels from numba's cache; True if it compiled) with a
+    status on stderr: a spinner on a terminal, elsewhere one line if it takes over COMPILE_STATUS_DELAY_S; then,
+    if it compiled, one line saying how long. stdout stays clean."""
     message = f"{api.PROGRESS_MARK} or loading them from the cache (a first run compiles for up to ~1 min)…"
+    t0 = time.perf_counter()
     if err.is_terminal:
         with err.status(message):
-            warm_up()
-        return
-    timer = threading.Timer(COMPILE_STATUS_DELAY_S, lambda: err.print(message))
-    timer.start()
-    try:
-        warm_up()
-    finally:
-        timer.cancel()
+            compiled = warm_up()
+    else:
+        timer = threading.Timer(COMPILE_STATUS_DELAY_S, lambda: err.print(message))
+        timer.start()
+        try:
+            compiled = warm_up()
+        finally:
+            timer.cancel()
+    if compiled:
+        err.print(f"[dim]compiled the kernels in {time.perf_counter() - t0:.1f} s; numba's JIT cache keeps them for the next start[/]")
 
 
 def streamer(quiet: bool) -> Callable[[Any], None]:

@@ -86,7 +86,7 @@ def _rerun(manifest: Path, *, model: Optional[str], threads: Optional[int], chun
 @app.command()
 def run(
     cli_ctx: typer.Context,
-    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text.")] = None,
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text, as is (--chat renders it as a user message).")] = None,
     prompt_file: Annotated[Optional[Path], typer.Option("--prompt-file", "-f", "--file", help="Read the prompt from a UTF-8 file (- for stdin).")] = None,
     messages: Annotated[Optional[Path], typer.Option("--messages", help="JSON file with a list of {role, content}.")] = None,
     chat: Annotated[bool, flag("--chat", help="Render the prompt as a user message with the chat template.")] = False,
@@ -153,7 +153,10 @@ def run(
                            **options)  # fmt: skip
         compiling(llm.warm_up)  # after the prompt and the constraint were checked: bad input fails fast
         if not quiet:
-            err.print(f"[dim]{escape(llm.engine.model_file.path.name)}: {len(steps.prompt_tokens)} prompt tokens[/]")
+            n = len(steps.prompt_tokens)
+            # an instruct model given bare text continues it instead of answering: say how to get an answer
+            raw = ", raw text (--chat formats it with the model's chat template)" if chat_input is None and llm.engine.chat_template else ""
+            err.print(f"[dim]{escape(llm.engine.model_file.path.name)}: {n} prompt token{'s' * (n != 1)}{raw}[/]")
         on_step = streamer(quiet)
         for step in steps:
             on_step(step)

@@ -154,10 +154,11 @@ class Engine:
         _trim_heap()
         return engine
 
-    def warm_up(self) -> None:
+    def warm_up(self) -> bool:
         """Compile (first run) or load from numba's cache every kernel the engine uses, outside any timing: a 2-token
         chunk, then a 1-token step (numba types a one-row slice as contiguous, so decode has its own specializations).
-        Kernels missing from the cache compile on two cores (compute/precompile.py); the same bytes either way."""
+        Kernels missing from the cache compile on two cores (compute/precompile.py); the same bytes either way.
+        True if any kernel compiled, False if all loaded from the cache."""
 
         def run() -> None:
             cache = self.new_cache()
@@ -165,7 +166,7 @@ class Engine:
             self.forward([0], cache)
 
         # the sampler's kernels only when compiling: a warm start loads them when a generation first samples
-        warm(run, [(sampler.warm_up, (self.config.n_vocab,))])
+        return warm(run, [(sampler.warm_up, (self.config.n_vocab,))]) is not None
 
     def new_cache(self) -> KVCache:
         """An empty KV cache of n_ctx positions: zeroed memory, that of the last cache dropped if nothing views it
