@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -113,3 +114,43 @@ def test_the_first_automatic_choice_is_made_once(monkeypatch):
         assert set_threads(None) == first and sleeps == [threads.FIRST_WINDOW_S]
     finally:
         set_threads(None)
+
+
+@pytest.mark.parametrize("owner_alive", [True, False])
+def test_a_second_thread_runs_its_default_at_one_thread_while_the_first_holds_the_pool(engine, monkeypatch, caplog, owner_alive):
+    """numba's OpenMP layer gives each calling thread its own pool; two on 2 cores ran 2-thread passes 3.3x slower
+    than 1 thread. While the thread that ran passes at more than 1 thread lives, another one's default count is 1,
+    with one warning; the control: once that thread has ended, the other one takes over at every core."""
+    limit = numba.config.NUMBA_NUM_THREADS
+    if limit < 2:
+        pytest.skip("one core: there is no count to choose")
+    monkeypatch.setattr(threads, "adapt_threads", lambda close=False: None)  # no load-dependent choice: only the pool rule
+    monkeypatch.setattr(threads, "_last_choice", limit)
+    monkeypatch.setattr(threads, "_pool_warned", False)
+    ids = engine.tokenizer.encode("The capital of France is Paris.")
+    with fixed_threads(limit):
+        reference = engine.forward(ids, engine.new_cache())  # this thread may hold the pool
+    if not owner_alive:
+        ended = threading.Thread(target=lambda: None)
+        ended.start()
+        ended.join()
+        monkeypatch.setattr(threads, "_pool_owner", ended)
+    else:
+        monkeypatch.setattr(threads, "_pool_owner", threading.current_thread())
+    seen = {}
+
+    def other():
+        set_threads(None)
+        seen["logits"] = engine.forward(ids, engine.new_cache())
+        seen["count"] = numba.get_num_threads()
+
+    with caplog.at_level("WARNING", logger="detinfer.threads"):
+        t = threading.Thread(target=other, name="second")
+        t.start()
+        t.join()
+    assert seen["logits"].tobytes() == reference.tobytes()
+    if owner_alive:
+        assert seen["count"] == 1
+        assert "forward passes on thread 'second' while 'MainThread'" in caplog.text and "this thread uses 1" in caplog.text
+    else:
+        assert seen["count"] == limit and threads._pool_owner is not threading.current_thread() and not caplog.text

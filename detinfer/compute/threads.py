@@ -12,10 +12,17 @@ while this one waited (for the next request; for its turn in a benchmark) took n
 made each of two detinfer processes taking turns on an idle machine run at 1 thread. The count never changes a
 result (kernels parallelise over independent outputs only); it is chosen per calling thread, as numba's count
 is. Where /proc/stat cannot be read, all cores are used.
+
+One thread of a process runs passes at more than one thread (:func:`forward_pass`): numba's OpenMP layer gives each
+thread that runs a parallel kernel a pool of its own, and with more pool threads than cores libgomp stops
+spinning between parallel regions, so each region waits for a futex wake-up (on 2 cores, 2-thread passes on a
+second thread ran 3.3x slower than 1 thread). The first thread to run such a pass keeps them while it lives; the
+default count of any other thread is 1 meanwhile, and a fixed count there is kept with one warning.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
@@ -37,6 +44,9 @@ _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 # per calling thread: auto (bool), window start (time, machine busy s, own cpu s), end of its last forward pass
 _local = threading.local()
 _last_choice: int | None = None  # the last automatic count of any thread: where a new one starts
+_pool_owner: threading.Thread | None = None  # the thread whose passes run at more than 1 thread (module docstring)
+_pool_warned = False
+_log = logging.getLogger("detinfer.threads")
 
 
 def _machine_busy_s() -> float | None:
@@ -124,10 +134,30 @@ def forward_pass() -> Iterator[None]:
     if time.monotonic() - getattr(_local, "last_end", math.inf) > PAUSE_S:
         _local.window = None
     adapt_threads()
+    if numba.get_num_threads() > 1:
+        _one_pool()
     try:
         yield
     finally:
         _local.last_end = time.monotonic()
+
+
+def _one_pool() -> None:
+    """Before a pass at more than 1 thread: claim the OpenMP pool for this thread, or, while another live thread
+    holds it, run an automatic count at 1 (see the module docstring); warn once either way."""
+    global _pool_owner, _pool_warned
+    me = threading.current_thread()
+    if _pool_owner is None or _pool_owner is me or not _pool_owner.is_alive():
+        _pool_owner = me
+        return
+    auto = getattr(_local, "auto", False)
+    if auto:
+        numba.set_num_threads(1)
+    if not _pool_warned:
+        _pool_warned = True
+        _log.warning("forward passes on thread %r while %r runs them at more than 1 thread: numba gives each thread its "
+                     "own pool, and two run many times slower; %s (run every pass of a process on one thread)",
+                     me.name, _pool_owner.name, "this thread uses 1" if auto else "a fixed count here is slow")
 
 
 @contextmanager
