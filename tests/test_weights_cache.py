@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numba
@@ -20,14 +19,7 @@ from detinfer.model import weights_cache
 from detinfer.model.config import ModelConfig
 from detinfer.model.gguf_file import ModelFile
 from detinfer.model.tokenizer import Tokenizer
-from detinfer.model.weights import Weights, open_store
-
-
-def _saved() -> None:
-    """Wait for the background writes of stores (Weights.load starts one after a repack)."""
-    for t in threading.enumerate():
-        if t.name == "weights-cache-save":
-            t.join()
+from detinfer.model.weights import Weights, open_store, wait_for_store_saves
 
 
 def _load(mf: ModelFile) -> Weights:
@@ -50,7 +42,7 @@ def store(monkeypatch, tmp_path: Path, model_path: Path) -> Path:
     mf = ModelFile(model_path)
     assert open_store(mf, ModelConfig.from_model(mf)) is None
     _load(ModelFile(model_path))
-    _saved()
+    wait_for_store_saves()
     return tmp_path / "weights"
 
 
@@ -106,12 +98,12 @@ DAMAGE = {
 def test_damaged_or_foreign_store_is_not_used(store: Path, model_path: Path, damage: str):
     mf = ModelFile(model_path)
     fresh = Weights.load(mf, ModelConfig.from_model(mf))
-    _saved()  # a repack also rewrites the store
+    wait_for_store_saves()  # a repack also rewrites the store
     DAMAGE[damage](store)
     loaded = _load(mf)
     assert _same_bytes(loaded, fresh)
     assert any(a.flags.owndata for a in _arrays(loaded)), "repacked from the file"
-    _saved()
+    wait_for_store_saves()
     assert not any(a.flags.owndata for a in _arrays(_load(mf))), "the next load maps a good store again"
 
 
@@ -119,7 +111,7 @@ def test_flipped_bit_would_change_the_weights_without_the_check(store: Path, mod
     """Negative control: with the sha256 check switched off, the damaged store is used and its bytes differ."""
     mf = ModelFile(model_path)
     fresh = Weights.load(mf, ModelConfig.from_model(mf))
-    _saved()
+    wait_for_store_saves()
     _flip_a_weight_byte(store)
     monkeypatch.setattr(weights_cache.Mapped, "_hash", lambda self, data, expected: setattr(self, "_ok", True))
     assert not _same_bytes(_load(mf), fresh)
@@ -131,7 +123,7 @@ def test_unwritable_store_folder_is_not_an_error(monkeypatch, tmp_path: Path, mo
     monkeypatch.setenv("DETINFER_WEIGHTS_CACHE", str(blocker / "weights"))
     mf = ModelFile(model_path)
     assert _same_bytes(_load(mf), Weights.load(mf, ModelConfig.from_model(mf)))
-    _saved()
+    wait_for_store_saves()
     assert blocker.read_text() == "not a folder"
 
 
@@ -141,19 +133,19 @@ def test_store_off_writes_and_maps_nothing(monkeypatch, tmp_path: Path, model_pa
     monkeypatch.setenv("DETINFER_WEIGHTS_CACHE", "off")
     mf = ModelFile(model_path)
     loaded = _load(mf)
-    _saved()
+    wait_for_store_saves()
     assert any(a.flags.owndata for a in _arrays(loaded)), "repacked"
     assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file() and "index" not in p.parts) == []
     monkeypatch.setenv("DETINFER_WEIGHTS_CACHE", str(tmp_path / "weights"))  # control: the same load, store on
     _load(mf)
-    _saved()
+    wait_for_store_saves()
     assert len(list((tmp_path / "weights").glob("*.bin"))) == 1
 
 
 def test_small_models_are_not_stored(monkeypatch, tmp_path: Path):
     monkeypatch.setenv("DETINFER_WEIGHTS_CACHE", str(tmp_path / "weights"))
     _load(ModelFile(write_tiny_gguf(tmp_path / "tiny.gguf")))
-    _saved()
+    wait_for_store_saves()
     assert not (tmp_path / "weights").exists()
 
 

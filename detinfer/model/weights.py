@@ -251,6 +251,15 @@ def _matrix_names(mf: ModelFile, cfg: ModelConfig) -> list[list[str]]:
     return names + [["token_embd.weight" if cfg.tied_embeddings else "output.weight"]]
 
 
+_saves: list[threading.Thread] = []  # store writes this process started (Weights.load)
+
+
+def wait_for_store_saves() -> None:
+    """Return once every store of repacked weights this process began writing is written (or given up)."""
+    while _saves:
+        _saves.pop().join()
+
+
 def open_store(mf: ModelFile, cfg: ModelConfig) -> weights_cache.Mapped | None:
     """The store of ``mf``'s repacked weights (:func:`detinfer.weights_cache.open_store`), checked against what a
     repack of its tensor table gives, or None: no store, a file that is not indexed, or tensors that
@@ -391,7 +400,9 @@ class Weights:
             records = {m.name: _record(m) for m in weights.matrices}
             # in the background (the arrays are only read); not a daemon, so the process waits for it at exit
             args = (mf.header_key, mf.sha256, layout_key(), records)
-            threading.Thread(target=weights_cache.save_store, args=args, name="weights-cache-save").start()
+            save = threading.Thread(target=weights_cache.save_store, args=args, name="weights-cache-save")
+            _saves.append(save)
+            save.start()
         return weights
 
     @property
