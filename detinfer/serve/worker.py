@@ -103,7 +103,7 @@ class Worker:
         self.thread = threading.Thread(target=self._loop, name="detinfer-decode", daemon=True)
         self.running: list[_Running] = []  # the jobs of the current step (only the decode thread changes it)
         self._ready = threading.Event()  # set when the thread's warm-up is over
-        self._warm_up: tuple[bool, BaseException | None] = (False, None)  # (it compiled, what it raised)
+        self._warm_up: tuple[bool, Exception | None] = (False, None)  # (it compiled, what it raised)
 
     def start(self) -> None:
         """Start the decode thread (once; a second call does nothing)."""
@@ -144,9 +144,8 @@ class Worker:
         set_threads(self.threads)  # numba's thread count is per calling thread
         try:
             self._warm_up = (self.engine.warm_up(), None)
-        except BaseException as e:  # noqa: BLE001 - handed to warm_up's caller
+        except Exception as e:  # noqa: BLE001 - raised by warm_up; requests still get it as their own error
             self._warm_up = (False, e)
-            return
         finally:
             self._ready.set()
         free: list[KVCache] = []  # caches no job holds, kept for the prefixes they hold
