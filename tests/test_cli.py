@@ -107,7 +107,7 @@ def test_chat_and_messages_agree(home: Path, model_path: Path, tmp_path: Path):
     assert chat.prompt.rendered.endswith("<|im_start|>assistant\n")
     assert chat.prompt.token_ids[0] == 1  # <|im_start|> parsed as the control token, not as text
     assert chat.chat_template_sha256 is not None
-    assert "raw text" not in r.stderr
+    assert "raw text" not in r.stderr and f"{len(chat.prompt.token_ids)} prompt tokens, rendered by the chat template" in r.stderr
 
     messages = tmp_path / "messages.json"
     messages.write_text(json.dumps([{"role": "user", "content": QUESTION}]))

@@ -154,9 +154,10 @@ def run(
         compiling(llm.warm_up)  # after the prompt and the constraint were checked: bad input fails fast
         if not quiet:
             n = len(steps.prompt_tokens)
-            # an instruct model given bare text continues it instead of answering: say how to get an answer
-            raw = ", raw text (--chat formats it with the model's chat template)" if chat_input is None and llm.engine.chat_template else ""
-            err.print(f"[dim]{escape(llm.engine.model_file.path.name)}: {n} prompt token{'s' * (n != 1)}{raw}[/]")
+            # an instruct model given bare text continues it instead of answering: say which the prompt was
+            how = (", rendered by the chat template" if chat_input is not None
+                   else ", raw text (--chat formats it with the model's chat template)" if llm.engine.chat_template else "")
+            err.print(f"[dim]{escape(llm.engine.model_file.path.name)}: {n} prompt token{'s' * (n != 1)}{how}[/]")
         on_step = streamer(quiet)
         for step in steps:
             on_step(step)
