@@ -59,7 +59,7 @@ def serve(
     try:
         check_outputs({}, {"--record": record_dir, "--kv-dir": kv_dir})
         sock = listen.bind(host, port)
-        llm = api.load(model, n_ctx=ctx, kv_type=kv_type, threads=threads, chat_template=chat_template, speculate=speculate)  # the decode worker sets threads again on its own thread
+        llm = api.load(model, n_ctx=ctx, kv_type=kv_type, threads=threads, chat_template=chat_template, speculate=speculate)  # the decode worker sets the threads on its own thread
         engine = llm.engine
         settings = ServerSettings(max_queue=max_queue, max_inflight=max_inflight, threads=threads, cache_bytes=cache_bytes,
                                   record_dir=record_dir, api_key=api_key or None, send_timeout=send_timeout,

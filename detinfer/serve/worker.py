@@ -16,6 +16,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -102,8 +103,7 @@ class Worker:
         self.recorder = Recorder(record_dir, engine, chat_template) if record_dir is not None else None
         self.thread = threading.Thread(target=self._loop, name="detinfer-decode", daemon=True)
         self.running: list[_Running] = []  # the jobs of the current step (only the decode thread changes it)
-        self._ready = threading.Event()  # set when the thread's warm-up is over
-        self._warm_up: tuple[bool, Exception | None] = (False, None)  # (it compiled, what it raised)
+        self._warmed: Future[bool] = Future()  # the thread's warm-up: whether it compiled, or what it raised
 
     def start(self) -> None:
         """Start the decode thread (once; a second call does nothing)."""
@@ -115,13 +115,9 @@ class Worker:
         compiled. It must be that thread: numba's OpenMP layer gives each thread that runs a parallel kernel a
         thread pool of its own, and with more pool threads than cores they stop spinning between parallel regions,
         so each region waits for a wake-up (a server whose main thread warmed up decoded 4 rows at 2 threads 2.5x
-        slower than at 1, docs/benchmarks.md). Raises what the warm-up raised."""
+        slower than at 1, README's Performance). Raises what the warm-up raised."""
         self.start()
-        self._ready.wait()
-        compiled, error = self._warm_up
-        if error is not None:
-            raise error
-        return compiled
+        return self._warmed.result()
 
     def stop(self) -> None:
         """Cancel the running job and every queued one, then wait at most ``drain_s`` for the thread (a daemon: the
@@ -143,11 +139,9 @@ class Worker:
     def _loop(self) -> None:
         set_threads(self.threads)  # numba's thread count is per calling thread
         try:
-            self._warm_up = (self.engine.warm_up(), None)
+            self._warmed.set_result(self.engine.warm_up())
         except Exception as e:  # noqa: BLE001 - raised by warm_up; requests still get it as their own error
-            self._warm_up = (False, e)
-        finally:
-            self._ready.set()
+            self._warmed.set_exception(e)
         free: list[KVCache] = []  # caches no job holds, kept for the prefixes they hold
         stopping = False
         while True:
