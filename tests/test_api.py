@@ -100,8 +100,8 @@ def test_session_replays_exactly(llm: detinfer.LLM, tmp_path: Path):
     [
         (lambda llm: llm.complete("x", temprature=0.5), InputError, "unknown sampling option 'temprature'"),
         (lambda llm: llm.complete("x", top_p=1.5), InputError, "top_p=1.5"),
-        (lambda llm: llm.complete("x", max_tokens=0), InputError, "max_tokens=0: Input should be greater than or equal to 1"),
-        (lambda llm: llm.complete("x", stop=[3]), InputError, "stop.0=3: Input should be a valid string"),
+        (lambda llm: llm.complete("x", max_tokens=0), InputError, "invalid sampling parameter max_tokens=0: must be greater than or equal to 1"),
+        (lambda llm: llm.complete("x", stop=[3]), InputError, "stop.0=3: must be a valid string"),
         (lambda llm: llm.complete(""), InputError, "empty"),
         (lambda llm: llm.complete("word " * 600), InputError, "the context holds 512"),
         (lambda llm: llm.chat([{"role": "user"}]), InputError, "has no 'content'"),

@@ -69,7 +69,7 @@ def test_run_writes_manifest(recorded, model_path: Path):
     assert m["sampling"]["seed"] == 0 and m["sampling"]["temperature"] == 0.0
     assert out.read_text() == json.dumps(m, sort_keys=True, indent=2, ensure_ascii=False) + "\n"  # canonical form
     load_manifest(out)  # sealed: the section hashes check out
-    assert "8 tokens, stop: max_tokens" in r.stderr
+    assert "8 tokens, stop: max_tokens" in r.stderr and " tok/s, decode " in r.stderr
 
 
 def test_rerun_manifest_matches(recorded, model_path: Path, tmp_path: Path):
@@ -208,6 +208,46 @@ def test_every_help_shows_flags_as_flags_and_version_prints(home: Path):
     assert "<bool>" in CliRunner().invoke(plain, ["--help"], env={"COLUMNS": "200"}).stdout
 
 
+def _panel_rows(help_text: str, panel: str) -> list[str]:
+    """The rows of a rich help panel ("Commands"), without its frame."""
+    rows = help_text.split(f"─ {panel} ", 1)[1].split("╰", 1)[0].splitlines()[1:]
+    return [row.strip("│ ") for row in rows]
+
+
+def test_every_command_summary_is_one_row_of_its_groups_help():
+    """Each command's summary in its group's --help is one row, at a width it fits in: a docstring's source line
+    breaks do not cut it mid-sentence. Negative control: a plain typer command of the same docstring shape does."""
+    import typer
+    from typer.testing import CliRunner
+
+    from detinfer.cli import app
+
+    root = typer.main.get_command(app)
+    for path in _command_paths(root):
+        group = root
+        for name in path:
+            group = group.commands[name]
+        if getattr(group, "commands", None):
+            r = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "250"})
+            ok(r)
+            rows = _panel_rows(r.stdout, "Commands")
+            assert [row.split()[0] for row in rows] == list(group.commands), (path, rows)
+
+    plain = typer.Typer()
+
+    @plain.command()
+    def one() -> None:
+        """A summary whose sentence goes on
+        past its first source line."""
+
+    @plain.command()
+    def two() -> None:
+        """Another."""
+
+    rows = _panel_rows(CliRunner().invoke(plain, ["--help"], env={"COLUMNS": "250"}).stdout, "Commands")
+    assert [row.split()[0] for row in rows] == ["one", "past", "two"], rows
+
+
 def test_cache_key_of_a_name_and_of_its_file_agree(home: Path, model_path: Path, tmp_path: Path):
     """``detinfer cache-key``: a registry name needs no download (CI computes the key before pulling) and gives the
     key of the same file given by path; another model gives another key; a missing or non-GGUF path is one line."""
@@ -293,6 +333,7 @@ def test_bracketed_names_are_text_not_markup(home: Path, tiny_dir: Path, tmp_pat
     r = cli(home, "run", "--model", model, "--prompt", "hi", "--max-tokens", "1", "--ctx", "16", "--out", out)
     ok(r)
     assert "[bold]x.gguf: 1 prompt token" in r.stderr and "1 prompt tokens" not in r.stderr and "[/x]/run.json" in r.stderr
+    assert "1 token, stop: max_tokens; prefill" in r.stderr and "decode" not in r.stderr  # one token: no decode step
     r = cli(home, "run", "--manifest", out, "--quiet")
     ok(r)
     assert "[/x]/run.json" in r.stderr

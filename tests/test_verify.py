@@ -291,6 +291,17 @@ def test_manifest_whose_model_is_missing_is_bad_input(home: Path, model_path: Pa
     assert r.exit_code == 2, r.output
     res = json.loads(r.stdout.splitlines()[0])
     assert res["status"] == "bad input" and "not downloaded" in res["message"], res
+    # two files of a missing model: its one line once, after both names; a file that fails otherwise has its own
+    folder = tmp_path / "two"
+    folder.mkdir()
+    for name in ("a.json", "b.json"):
+        shutil.copy(recorded / "greedy.json", folder / name)
+    (folder / "c.json").write_text("{")
+    r = cli(home, "verify", folder)
+    assert r.exit_code == 2, r.output
+    said = [line for line in r.stdout.splitlines() if "not downloaded" in line]
+    assert len(said) == 1 and said[0].startswith(f"2 files ({folder / 'a.json'}, {folder / 'b.json'}): model "), r.stdout
+    assert sum(line.startswith(f"{folder / 'c.json'}: ") for line in r.stdout.splitlines()) == 1, r.stdout
     code, results, _ = verify_json(home, tmp_path / "absent.gguf", recorded / "greedy.json")
     assert code == 2 and "does not exist" in results["greedy.json"]["message"]
 

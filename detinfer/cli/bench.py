@@ -43,9 +43,10 @@ def bench(
     out_path: Annotated[Path, typer.Option("--out", "-o", help="Results (JSON).")] = Path("bench/results.json"),
     markdown: Annotated[Path, typer.Option("--markdown", help="Markdown tables.")] = Path("docs/benchmarks.md"),
 ) -> None:
-    """The standard suite: prefill and decode tok/s per ISA at 1 and 2 threads, detinfer vs llama.cpp (and fastmath),
-    1B-class GB/s against the memory bandwidth, RSS, cold/warm start, prefix reuse. Takes minutes; use an otherwise
-    idle machine."""
+    """The standard benchmark suite, detinfer vs llama.cpp; takes minutes, on an otherwise idle machine.
+
+    Prefill and decode tok/s per ISA at 1 and 2 threads, detinfer vs llama.cpp (and fastmath), 1B-class GB/s
+    against the memory bandwidth, RSS, cold/warm start, prefix reuse."""
     if cli_ctx.invoked_subcommand is not None:
         return
     from ..bench.report import display_name, figure_label
@@ -154,9 +155,10 @@ def bench_busy(
     out_path: Annotated[Path, typer.Option("--out", "-o", help="Results (JSON).")] = Path("bench/busy.json"),
     markdown: Annotated[Path, typer.Option("--markdown", help="Markdown file whose busy section is replaced.")] = Path("docs/benchmarks.md"),
 ) -> None:
-    """Prefill and decode idle and beside a busy loop holding one core: detinfer at 1, 2 and its default threads,
-    llama.cpp at 1 and 2; then a real server at --threads 1 and its default under 4 concurrent clients. Use an
-    otherwise idle machine."""
+    """Prefill, decode and a real server idle and beside a busy loop holding one core. Use an otherwise idle machine.
+
+    detinfer at 1, 2 and its default threads, llama.cpp at 1 and 2; then a real server at --threads 1 and its
+    default under 4 concurrent clients."""
     from ..bench.busy import run_busy, write_busy
     from ..bench.suite import DEFAULT_MODELS
 

@@ -29,8 +29,15 @@ def _version(value: bool) -> None:
         raise typer.Exit(0)
 
 
-class _FlagHelp:
-    """--help/-h shown as a flag: typer gives the help option no metavar, so its help renders it as ``<bool>``."""
+class _Help:
+    """Help text as the terminal wraps it: a docstring's paragraphs reflowed (their line breaks are the source's,
+    which cut ``detinfer --help``'s one-line summaries mid-sentence); --help/-h shown as a flag (typer gives the help
+    option no metavar, so its help renders it as ``<bool>``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        if self.help:  # type: ignore[has-type]
+            self.help = "\n\n".join(" ".join(p.split()) for p in self.help.split("\n\n"))
 
     def get_help_option(self, ctx: Any) -> Any:
         option = super().get_help_option(ctx)  # type: ignore[misc]
@@ -39,11 +46,11 @@ class _FlagHelp:
         return option
 
 
-class _Command(_FlagHelp, typer.core.TyperCommand):
+class _Command(_Help, typer.core.TyperCommand):
     pass
 
 
-class _Group(_FlagHelp, typer.core.TyperGroup):
+class _Group(_Help, typer.core.TyperGroup):
     pass
 
 
@@ -103,6 +110,12 @@ REDERIVE = "--rederive"
 RederiveOpt = Annotated[bool, flag(REDERIVE, help="Use no file derived from the model: parse its header, build the tokenizer, repack the "
                                    "weights and compile every kernel (a fresh numba cache) from the GGUF alone. Slow; same bytes.")]
 COMPILE_STATUS_DELAY_S = 2.0  # off a terminal, the compile status line appears only if warming up takes longer
+
+
+# the sampling fields as the commands' flags spell them, for their error lines
+SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
+                  "min_p": "--min-p", "repetition_penalty": "--repeat-penalty", "repeat_last_n": "--repeat-last-n",
+                  "seed": "--seed", "stop": "--stop"}  # fmt: skip
 
 
 def fail(e: DetinferError) -> NoReturn:

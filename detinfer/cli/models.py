@@ -78,9 +78,10 @@ def warm_up(
     models: Annotated[Optional[list[str]], typer.Argument(help="Registry names or .gguf paths (default: the default model).")] = None,
     kv_type: KvOpt = "f32",
 ) -> None:
-    """Compile every kernel run, verify and serve use on these models into numba's JIT cache (NUMBA_CACHE_DIR), for
-    DETINFER_CPU_LEVEL if set (e.g. x86-64-v3: loads on any CPU of that level), else this CPU. For CI runners:
-    warm up once, keep the cache (its key: detinfer cache-key)."""
+    """Compile the kernels of run, verify and serve for these models into numba's JIT cache (for CI runners).
+
+    The cache is NUMBA_CACHE_DIR's; the target DETINFER_CPU_LEVEL if set (e.g. x86-64-v3: loads on any CPU of that
+    level), else this CPU. For CI runners: warm up once, keep the cache (its key: detinfer cache-key)."""
     try:
         from ..integrations.ci_report import cache_target
 
@@ -97,8 +98,10 @@ def warm_up(
 def cache_key(
     model: Annotated[Optional[str], typer.Argument(help="Registry name or .gguf path (default: the default model).")] = None,
 ) -> None:
-    """Print the CI cache key of a model and its compiled kernels (detinfer, numba and Python versions, the model's
-    sha256, this CPU's instruction-set level and name): a runner of another CPU or version never restores it."""
+    """Print the CI cache key of a model and its compiled kernels.
+
+    The key holds detinfer's, numba's and Python's versions, the model's sha256 and this CPU's instruction-set level
+    and name: a runner of another CPU or version never restores it."""
     from ..integrations.ci_report import cache_key as key
 
     try:

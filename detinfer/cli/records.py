@@ -21,6 +21,7 @@ from ..integrations.batch import reexecute_failed, reexecute_task
 from ..integrations.ci_report import github_annotations, write_junit
 from .common import (
     DEFAULT_CACHE_BYTES,
+    SAMPLING_FLAGS,
     ActorsOpt,
     App,
     BatchOpt,
@@ -65,9 +66,7 @@ def _print_outcomes(outcomes: list, as_json: bool) -> None:
     out.print(table)
     for described in sorted({api.describe_machine(m) for r in outcomes for m in (r.recorded_on, r.reexecuted_on) if m}):
         out.print(f"  {escape(described)}", soft_wrap=True)
-    for r in outcomes:
-        if r.status != api.MATCH:
-            _print_report(r)
+    _print_reports([r for r in outcomes if r.status != api.MATCH])
     for line in annotations:
         out.print(line, soft_wrap=True, markup=False, emoji=False, highlight=False)
     raise typer.Exit(api.exit_code(outcomes))
@@ -120,12 +119,21 @@ def verify(
     _print_outcomes(outcomes, as_json)
 
 
-def _print_report(r: api.Outcome) -> None:
-    """What is wrong with one file, in full (the table cuts long lines)."""
-    first, *rest = r.report()
-    out.print(f"[bold]{escape(r.path)}[/]: {escape(first)}", soft_wrap=True)
-    for line in rest:
-        out.print(line, soft_wrap=True, markup=False, emoji=False)
+def _print_reports(outcomes: list) -> None:
+    """What is wrong with each file, in full (the table cuts long lines); a one-line report that several files
+    share once, after their names (ten Gemma 3 files said "model ... is not downloaded" ten times)."""
+    shared: dict[str, list[str]] = {}
+    for r in outcomes:
+        first, *rest = r.report()
+        if rest:
+            out.print(f"[bold]{escape(r.path)}[/]: {escape(first)}", soft_wrap=True)
+            for line in rest:
+                out.print(line, soft_wrap=True, markup=False, emoji=False)
+        else:
+            shared.setdefault(first, []).append(r.path)
+    for first, paths in shared.items():
+        names = escape(paths[0]) if len(paths) == 1 else f"{len(paths)} files ({escape(', '.join(paths))})"
+        out.print(f"[bold]{names}[/]: {escape(first)}", soft_wrap=True)
 
 
 def _turn_line(i: int, rec) -> None:
@@ -188,9 +196,7 @@ def replay(
                           str(r["steps"]), str(r["reused_tokens"]), "" if r["first_divergent_step"] is None else str(r["first_divergent_step"]),
                           detail)  # fmt: skip
         out.print(table)
-        for r in outcomes:
-            if r.status == api.BAD_INPUT:
-                _print_report(r)
+        _print_reports([r for r in outcomes if r.status == api.BAD_INPUT])
     raise typer.Exit(api.exit_code(outcomes))
 
 
@@ -245,8 +251,10 @@ def chat(
     """Interactive multi-turn chat (empty line or EOF ends it); recorded turn by turn with --record."""
     try:
         check_outputs({"--record": record_path})
+        sampling = dict(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens)
+        api.Sampling.create(SAMPLING_FLAGS, **sampling)  # bad sampling values fail before the model is loaded
         llm = api.load(model, n_ctx=ctx, kv_type=kv_type, threads=threads, chat_template=chat_template, speculate=speculate)
-        conv = llm.conversation(system=system, temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens)
+        conv = llm.conversation(system=system, **sampling)
         compiling(llm.warm_up)
         while True:
             try:

@@ -15,6 +15,7 @@ from .. import api
 from ..errors import DetinferError, InputError, MismatchError
 from ..integrations.batch import BAD_INPUT, batch_failed, batch_lockstep, batch_task, prepare_batch
 from .common import (
+    SAMPLING_FLAGS,
     ActorsOpt,
     BatchOpt,
     ChatTemplateOpt,
@@ -50,10 +51,11 @@ def _given(cli_ctx: typer.Context, names: set[str]) -> list[str]:
 
 
 def _summary(m, out_path: Optional[Path]) -> None:
-    t = m.informative.timings
+    t, n = m.informative.timings, len(m.output.token_ids)
     err.print(
-        f"[dim]{len(m.output.token_ids)} tokens, stop: {m.output.stop_reason}; prefill {t.get('prefill_tok_s', 0)} tok/s, "
-        f"decode {t.get('decode_tok_s', 0)} tok/s, threads {m.informative.threads}; KV {m.output.kv_sha256[:16]}…"
+        f"[dim]{n} token{'s' * (n != 1)}, stop: {m.output.stop_reason}; prefill {t.get('prefill_tok_s', 0)} tok/s, "
+        + (f"decode {t.get('decode_tok_s', 0)} tok/s, " if n > 1 else "")  # one token is the prefill's: no decode step
+        + f"threads {m.informative.threads}; KV {m.output.kv_sha256[:16]}…"
         + (f"; drafts taken {int(t['accepted_tokens'])} of {int(t['draft_tokens'])}" if "draft_tokens" in t else "")
         + (f"; manifest: {escape(str(out_path))}" if out_path else "")
         + "[/]"
@@ -143,7 +145,7 @@ def run(
             msgs = [{"role": "system", "content": system}, {"role": "user", "content": text}]
         options = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
                        repetition_penalty=repeat_penalty, repeat_last_n=repeat_last_n, stop=stop or [], ignore_eos=ignore_eos)  # fmt: skip
-        api.Sampling.create(**options)  # bad sampling values fail before the model is loaded
+        api.Sampling.create(SAMPLING_FLAGS, **options)  # bad sampling values fail before the model is loaded
         constraint = api.constraint_from_options(json_schema=json_schema, json_object=json_object, regex=regex, grammar=grammar,
                                                  ignore_eos=ignore_eos)  # fmt: skip
         llm = api.load(model, n_ctx=ctx, kv_type=kv_type, threads=threads, chat_template=chat_template, rederive=rederive,
@@ -188,8 +190,9 @@ def batch(
     actors: ActorsOpt = None,
     rederive: RederiveOpt = False,
 ) -> None:
-    """Run a JSONL batch: every line becomes --out-dir/<id>.json, written as it finishes; exit 2 if a line is bad
-    input (the others still run)."""
+    """Run a JSONL batch: every line becomes --out-dir/<id>.json, written as it finishes.
+
+    Exit 2 if a line is bad input (the others still run)."""
     try:
         writer, todo, skipped = prepare_batch(batch_file, out_dir, resume=resume, model=model, n_ctx=ctx, kv_type=kv_type, rederive=rederive)
     except DetinferError as e:

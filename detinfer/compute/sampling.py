@@ -4,6 +4,7 @@ never clamped; the sampler's exact arithmetic is in sampler.py."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Optional
 
 from pydantic import (
@@ -42,13 +43,14 @@ class SamplingParams(BaseModel):
     seed: int = Field(0, ge=0, lt=U64)
 
     @classmethod
-    def create(cls, **kw: Any) -> Self:
+    def create(cls, spelling: Mapping[str, str] | None = None, /, **kw: Any) -> Self:
         """Build from user-given values (options, a request, a script); raises InputError naming the bad option(s)
-        and value(s). Records are read with ``model_validate`` (pydantic's ValidationError, with its location)."""
+        and value(s), each as ``spelling`` (positional: a keyword is a sampling option) spells it if it does (a CLI's
+        flag), else as "sampling parameter" and its field name. Records are read with ``model_validate`` (pydantic's ValidationError, with its location)."""
         try:
             return cls(**kw)
         except ValidationError as e:
-            raise _input_error(e) from None
+            raise _input_error(e, spelling or {}) from None
 
     @property
     def greedy(self) -> bool:
@@ -114,8 +116,9 @@ def apply_overrides(base: Sampling, *overrides: BaseModel | None) -> Sampling:
 _OTHER_SPELLINGS = {"repeat_penalty": "repetition_penalty", "n_predict": "max_tokens", "max_new_tokens": "max_tokens"}
 
 
-def _input_error(e: ValidationError) -> InputError:
-    """One line for a ValidationError: 'invalid sampling parameter top_p=1.5: Input should be ...'."""
+def _input_error(e: ValidationError, spelling: Mapping[str, str]) -> InputError:
+    """One line for a ValidationError: 'invalid sampling parameter top_p=1.5: must be ...' ('--top-p 1.5: must
+    be ...' where ``spelling`` names the field's flag)."""
     parts = []
     for err in e.errors():
         name = ".".join(str(x) for x in err["loc"]) or "?"
@@ -123,6 +126,8 @@ def _input_error(e: ValidationError) -> InputError:
             known = ", ".join(Sampling.model_fields)
             hint = f"; detinfer spells it {_OTHER_SPELLINGS[name]}" if name in _OTHER_SPELLINGS else f" (known: {known})"
             parts.append(f"unknown sampling option {name!r}={err['input']!r}{hint}")
-        else:
-            parts.append(f"invalid sampling parameter {name}={err['input']!r}: {err['msg']}")
+            continue
+        why = err["msg"].replace("Input should be", "must be", 1)
+        flag = spelling.get(str(err["loc"][0])) if err["loc"] else None
+        parts.append(f"{flag} {err['input']!r}: {why}" if flag else f"invalid sampling parameter {name}={err['input']!r}: {why}")
     return InputError("; ".join(parts))
