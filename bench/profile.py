@@ -41,6 +41,7 @@ KERNEL_GROUPS = {
     "rmsnorm_tokens": "norms", "rmsnorm_heads_tokens": "norms", "kv_write_tokens": "KV write",
     "quantize_blocks_tokens": "activation codes",
     "add_inplace": "add / bias", "add_bias": "add / bias",
+    "delta_net": "recurrent layer (conv, delta rule, gated norm)", "gate_heads": "attention output gate",
 }
 
 
