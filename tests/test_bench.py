@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ import pytest
 from cli_helpers import cli
 from gguf_factory import write_tiny_gguf
 
+import detinfer
 from detinfer.bench import kv as bench_kv
 from detinfer.bench import report as bench_report
 from detinfer.bench import suite as bench
@@ -407,6 +409,14 @@ def test_busy_bench_measures_every_configuration_idle_and_busy_and_its_section_i
     assert "| detinfer default |" in text and "| server default |" in text and "default >= 0.9x 1 thread" in text
     bench_report.write_report(_report(), tmp_path / "results.json", md)
     assert busy.markdown(result) in md.read_text()
+    # the section says when and from which source it ran: this checkout's commit (a results file of before lacks them)
+    described = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(busy.__file__).parent, capture_output=True, text=True)
+    source = result["machine"]["source"]
+    assert source == (described.stdout.strip() if described.returncode == 0 else f"detinfer {detinfer.__version__}"), source
+    line = f"{result['machine']['cpu']} ({result['machine']['cores']} cores), {result['machine']['when']}, {source}, median of"
+    assert line in busy.markdown(result) and re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC", result["machine"]["when"])
+    older = dict(result, machine={k: v for k, v in result["machine"].items() if k not in ("when", "source")})
+    assert f"({result['machine']['cores']} cores), median of" in busy.markdown(older)
     with pytest.raises(InputError, match="make bench-peers"):
         busy.run_busy([str(tiny_model)], runs=1, peer=True, peers_dir=tmp_path, progress=lambda msg: None)
     together = serve._together

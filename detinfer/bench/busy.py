@@ -24,7 +24,7 @@ from pathlib import Path
 from ..errors import DetinferError, InputError
 from .report import BUSY_BEGIN, BUSY_END, display_name, floor_table, stats, write_section
 from .serve import PROMPTS, _Server, measure
-from .suite import _machine, _Worker, peer_dir
+from .suite import _machine, _Worker, machine_line, peer_dir
 
 CELLS = (("prefill_256", "prefill", 256), ("decode_64", "decode", 64))
 AUTO = 0  # the worker's --threads for detinfer's default (set_threads(None))
@@ -144,7 +144,7 @@ def markdown(result: dict) -> str:
     """The section of docs/benchmarks.md, between BUSY_BEGIN and BUSY_END."""
     m = result["machine"]
     lines = [BUSY_BEGIN, "## Beside a busy core (`detinfer bench busy`)", "",
-             f"{m['cpu']} ({m['cores']} cores), median of {result['runs']} runs (min–max), tok/s; busy: a `while True: pass` "
+             f"{machine_line(m)}, median of {result['runs']} runs (min–max), tok/s; busy: a `while True: pass` "
              "process running. detinfer's default chooses its thread count from the cores other processes leave free "
              "(detinfer/compute/threads.py).", ""]  # fmt: skip
     cells = result["cells"]

@@ -24,7 +24,7 @@ from pathlib import Path
 from ..compute.lockstep import DEFAULT_BATCH
 from ..errors import DetinferError, InputError
 from .report import LOCKSTEP_BEGIN, LOCKSTEP_END, floor_table, stats, write_section
-from .suite import _machine
+from .suite import _machine, machine_line
 
 FLOOR = 1.8  # verify manifests/: one by one over lockstep
 TOPICS = ("a lighthouse", "the moon", "a market", "an old clock", "a storm", "a garden", "a letter", "a train")
@@ -107,7 +107,7 @@ def markdown(result: dict) -> str:
     """The section of docs/benchmarks.md, between LOCKSTEP_BEGIN and LOCKSTEP_END."""
     m, b = result["machine"], str(result["batch"])
     lines_ = [LOCKSTEP_BEGIN, "## verify and batch in lockstep (`detinfer bench lockstep`)", "",
-              f"{m['cpu']} ({m['cores']} cores). Wall seconds of a `detinfer` process (model loads included), median of "
+              f"{machine_line(m)}. Wall seconds of a `detinfer` process (model loads included), median of "
               f"{result['runs']} runs (min–max), one file at a time (`--batch 1`) and {b} sequences per forward step "
               f"(`--batch {b}`). *batch*: `detinfer batch` of {result['lines']} sampled chat lines of up to "
               f"{result['max_tokens']} tokens on both models, whose manifests were byte-identical in both arms (checked); "

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..errors import DetinferError, InputError
 from .report import SERVE_BEGIN, SERVE_END, display_name, floor_table, write_section
-from .suite import _machine
+from .suite import _machine, machine_line
 
 CLIENTS = (1, 2, 4, 8)
 MAX_TOKENS = 64
@@ -164,7 +164,7 @@ def markdown(result: dict) -> str:
     """The section of docs/benchmarks.md, between SERVE_BEGIN and SERVE_END."""
     m = result["machine"]
     lines = [SERVE_BEGIN, "## Server under concurrent load (`detinfer bench serve`)", "",
-             f"{m['cpu']} ({m['cores']} cores), `detinfer serve --threads T --batch B` in its own process; each client "
+             f"{machine_line(m)}, `detinfer serve --threads T --batch B` in its own process; each client "
              f"streams its own prompt, greedy, {result['max_tokens']} tokens. tok/s: all clients' tokens over the wall time; "
              "first token and latency: medians over the clients. Every response's output and KV hashes equalled the "
              "same request's alone (checked by the bench).", "",

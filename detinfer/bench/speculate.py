@@ -27,7 +27,7 @@ from ..errors import DetinferError, InputError
 from ..model.chat import ChatTemplate
 from ..records.run import build_prompt
 from .report import SPECULATE_BEGIN, SPECULATE_END, display_name, floor_table, stats, write_section
-from .suite import _machine, peer_dir, worker_env
+from .suite import _machine, machine_line, peer_dir, worker_env
 
 _TOOL_RESULT = {"location": "Lyon, France", "forecast": [
     {"day": "Monday", "high_c": 14, "low_c": 6, "conditions": "light rain"},
@@ -130,7 +130,7 @@ def markdown(result: dict) -> str:
     """The section of docs/benchmarks.md, between SPECULATE_BEGIN and SPECULATE_END."""
     m = result["machine"]
     lines = [SPECULATE_BEGIN, "## Speculative decoding (`detinfer bench speculate`)", "",
-             f"{m['cpu']} ({m['cores']} cores), greedy, up to {result['max_tokens']} tokens, decode tok/s median of "
+             f"{machine_line(m)}, greedy, up to {result['max_tokens']} tokens, decode tok/s median of "
              f"{result['runs']} runs (min–max). *repeat*: the model quotes a tool result from its context back in full; "
              "*free*: a short story. Every speculative run gave the plain run's tokens, logits digests and KV digest "
              "(checked by the bench). Taken: drafted tokens that were sampled as drafted.", "",

@@ -455,7 +455,27 @@ def add_kv_curve(kv: KVCurve, out: Path, markdown_path: Path) -> BenchReport:
 
 
 def _machine() -> dict[str, str | int]:
+    """The machine, and when and from which source a bench ran (see :func:`machine_line`)."""
     from ..records.machine import machine
 
     return {"cpu": cpu_name(), "host_cpu_name": machine()["host_cpu_name"], "isa": machine()["isa"],
-            "cores": os.cpu_count() or 0, "python": platform.python_version()}
+            "cores": os.cpu_count() or 0, "python": platform.python_version(),
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "source": _source()}  # fmt: skip
+
+
+def _source() -> str:
+    """The commit a bench ran (``git describe --always --dirty`` of detinfer's checkout), else detinfer's version."""
+    from ..version import __version__
+
+    try:
+        proc = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(__file__).parent, capture_output=True,
+                              text=True, timeout=10)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        proc = None
+    return proc.stdout.strip() if proc is not None and proc.returncode == 0 else f"detinfer {__version__}"
+
+
+def machine_line(m: dict) -> str:
+    """"AMD EPYC (2 cores), 2026-12-07 06:10 UTC, 50ddd85": the start of a bench section (results of runs before the
+    date and source were recorded give only the machine)."""
+    return f"{m['cpu']} ({m['cores']} cores)" + "".join(f", {m[k]}" for k in ("when", "source") if k in m)

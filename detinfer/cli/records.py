@@ -122,18 +122,18 @@ def verify(
 def _print_reports(outcomes: list) -> None:
     """What is wrong with each file, in full (the table cuts long lines); a one-line report that several files
     share once, after their names (ten Gemma 3 files said "model ... is not downloaded" ten times)."""
+    reports = [(r.path, r.report()) for r in outcomes]
     shared: dict[str, list[str]] = {}
-    for r in outcomes:
-        first, *rest = r.report()
-        if rest:
-            out.print(f"[bold]{escape(r.path)}[/]: {escape(first)}", soft_wrap=True)
+    for path, lines in reports:
+        if len(lines) == 1:
+            shared.setdefault(lines[0], []).append(path)
+    for path, (first, *rest) in reports:
+        paths = shared.get(first, []) if not rest else [path]
+        if paths and paths[0] == path:  # in file order, at the first file of its group
+            names = escape(path) if len(paths) == 1 else f"{len(paths)} files ({escape(', '.join(paths))})"
+            out.print(f"[bold]{names}[/]: {escape(first)}", soft_wrap=True)
             for line in rest:
                 out.print(line, soft_wrap=True, markup=False, emoji=False)
-        else:
-            shared.setdefault(first, []).append(r.path)
-    for first, paths in shared.items():
-        names = escape(paths[0]) if len(paths) == 1 else f"{len(paths)} files ({escape(', '.join(paths))})"
-        out.print(f"[bold]{names}[/]: {escape(first)}", soft_wrap=True)
 
 
 def _turn_line(i: int, rec) -> None:
