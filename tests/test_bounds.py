@@ -96,7 +96,7 @@ ARGV_CASES = {
     "stop": ([b"-p", b"hi", b"--stop", b"\xff"], "stop string 0 is not valid UTF-8: byte 0xff at character 0"),
     "prompt": ([b"-p", b"h\xffi"], "the prompt is not valid UTF-8: byte 0xff at character 1"),
     "system": ([b"-p", b"hi", b"--chat", b"--system", b"\xfe"], "message 0's 'content' is not valid UTF-8: byte 0xfe at character 0"),
-    "max-tokens": ([b"-p", b"hi", b"-n", b"2147483648"], "--max-tokens 2147483648: must be less than 2147483648"),
+    "max-tokens": ([b"-p", b"hi", b"-n", b"2147483648"], "--max-tokens 2147483648: must be at most 2147483647"),
     "valid": ([b"-p", "é".encode(), b"--stop", "é".encode(), b"--regex", "[a-zé]+".encode(), b"-n", b"2147483647"], None),
 }
 

@@ -155,7 +155,7 @@ def bench_busy(
     out_path: Annotated[Path, typer.Option("--out", "-o", help="Results (JSON).")] = Path("bench/busy.json"),
     markdown: Annotated[Path, typer.Option("--markdown", help="Markdown file whose busy section is replaced.")] = Path("docs/benchmarks.md"),
 ) -> None:
-    """Prefill, decode and a real server idle and beside a busy loop holding one core. Use an otherwise idle machine.
+    """Speed beside a busy loop that holds one core, and idle: prefill, decode, a real server. Use an idle machine.
 
     detinfer at 1, 2 and its default threads, llama.cpp at 1 and 2; then a real server at --threads 1 and its
     default under 4 concurrent clients."""

@@ -128,6 +128,8 @@ def _input_error(e: ValidationError, spelling: Mapping[str, str]) -> InputError:
             parts.append(f"unknown sampling option {name!r}={err['input']!r}{hint}")
             continue
         why = err["msg"].replace("Input should be", "must be", 1)
+        if err["type"] == "less_than" and isinstance(err["input"], int) and isinstance(err["ctx"]["lt"], int):
+            why = f"must be at most {err['ctx']['lt'] - 1}"  # "2147483648: must be less than 2147483648" read oddly
         flag = spelling.get(str(err["loc"][0])) if err["loc"] else None
         parts.append(f"{flag} {err['input']!r}: {why}" if flag else f"invalid sampling parameter {name}={err['input']!r}: {why}")
     return InputError("; ".join(parts))
