@@ -128,8 +128,8 @@ def _print_reports(outcomes: list) -> None:
         if len(lines) == 1:
             shared.setdefault(lines[0], []).append(path)
     for path, (first, *rest) in reports:
-        paths = shared.get(first, []) if not rest else [path]
-        if paths and paths[0] == path:  # in file order, at the first file of its group
+        paths = [path] if rest else shared[first]
+        if paths[0] == path:  # in file order, at the first file of its group
             names = escape(path) if len(paths) == 1 else f"{len(paths)} files ({escape(', '.join(paths))})"
             out.print(f"[bold]{names}[/]: {escape(first)}", soft_wrap=True)
             for line in rest:
