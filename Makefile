@@ -161,7 +161,7 @@ PROFILE_BEFORE ?= bench/profile-468ce09.json
 profile: pull
 	$(BIN)/detinfer pull gemma3-270m-q4_k_m
 	$(BIN)/python bench/profile.py --out bench/profile.json --markdown docs/benchmarks.md \
-		$(if $(wildcard $(PROFILE_BEFORE)),--before $(PROFILE_BEFORE)) --label "$$(git describe --always --dirty 2>/dev/null || echo this tree)"
+		$(if $(wildcard $(PROFILE_BEFORE)),--before $(PROFILE_BEFORE))
 
 # docs/scale.md's table: verify manifests/ and a 50-prompt batch without Ray, on 1 Ray actor x 2 threads and on 2 x 1,
 # plus Ray's overhead per item (bench/scale.json); about 10 min on an otherwise idle 2-core machine.

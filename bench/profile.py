@@ -28,6 +28,7 @@ import numpy as np
 from numba import njit
 
 from detinfer.bench.report import PROFILE_BEGIN, PROFILE_END, replace_section
+from detinfer.bench.suite import source
 from detinfer.compute import engine as engine_module
 from detinfer.compute import kernels, linear
 from detinfer.compute.engine import Engine, set_threads
@@ -185,7 +186,7 @@ def measure(args: argparse.Namespace) -> dict:
             runs.append({"model": model, "threads": th} | result)
             print(f"{model} {th} thread(s): prefill {result['prefill']['tok_s']:.1f} tok/s, decode {result['decode']['tok_s']:.1f} tok/s", flush=True)
         undo()
-    return {"label": args.label, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "reps": args.reps,
+    return {"label": args.label or source(), "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "reps": args.reps,
             "machine": describe(machine()), "dispatch_us": 1e6 * dispatch_seconds(), "runs": runs}
 
 
@@ -198,7 +199,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--markdown", type=Path)
-    ap.add_argument("--label", default="the forward pass by kernel")
+    ap.add_argument("--label", help="the profile's title (default: the commit, detinfer.bench.suite.source())")
     ap.add_argument("--before", type=Path, help="an earlier --out file, shown side by side")
     ap.add_argument("--render", type=Path, help="render this earlier --out file instead of measuring")
     args = ap.parse_args()

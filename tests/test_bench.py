@@ -410,9 +410,8 @@ def test_busy_bench_measures_every_configuration_idle_and_busy_and_its_section_i
     bench_report.write_report(_report(), tmp_path / "results.json", md)
     assert busy.markdown(result) in md.read_text()
     # the section says when and from which source it ran: this checkout's commit (a results file of before lacks them)
-    described = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(busy.__file__).parent, capture_output=True, text=True)
     source = result["machine"]["source"]
-    assert source == (described.stdout.strip() if described.returncode == 0 else f"detinfer {detinfer.__version__}"), source
+    assert source == bench.source(), source  # tested on its own below
     line = f"{result['machine']['cpu']} ({result['machine']['cores']} cores), {result['machine']['when']}, {source}, median of"
     assert line in busy.markdown(result) and re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC", result["machine"]["when"])
     older = dict(result, machine={k: v for k, v in result["machine"].items() if k not in ("when", "source")})
@@ -492,3 +491,29 @@ def test_profile_section_replaces_only_itself(tmp_path):
     assert text.count(bench_report.PROFILE_BEGIN) == 1 and "\nold\n" not in text and "\n## Profile: " in text
     subprocess.run(render, check=True, capture_output=True)
     assert md.read_text() == text
+
+
+def test_bench_source_is_the_commit_and_dirty_only_for_code(tmp_path: Path):
+    """A bench section's source: the checkout's commit, "-dirty" when the code differs from it, but not for the
+    result files an earlier section wrote (docs/, bench/*.json); outside a checkout, detinfer's version."""
+    assert bench.source(tmp_path) == f"detinfer {detinfer.__version__}"
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                              capture_output=True, text=True).stdout.strip()  # fmt: skip
+
+    git("init", "-q")
+    for name in ("detinfer/kernels.py", "bench/profile.py", "bench/results.json", "docs/benchmarks.md"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text("a\n")
+    git("add", ".")
+    git("commit", "-q", "-m", "x")
+    commit = git("rev-parse", "--short", "HEAD")
+    assert bench.source(tmp_path) == commit
+    (tmp_path / "bench/results.json").write_text("b\n")
+    (tmp_path / "docs/benchmarks.md").write_text("b\n")
+    assert bench.source(tmp_path) == commit  # a bench's own results are not dirt
+    for name in ("bench/profile.py", "detinfer/kernels.py"):
+        git("checkout", "--", ".")
+        (tmp_path / name).write_text("b\n")
+        assert bench.source(tmp_path) == f"{commit}-dirty", name

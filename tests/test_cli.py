@@ -133,6 +133,18 @@ def test_stop_string_is_never_emitted(home: Path, model_path: Path, tmp_path: Pa
     assert r.stdout == " Paris.\n"
     assert m.sampling.stop == [stop, "zzz"]
     assert f"{len(m.prompt.token_ids)} prompt tokens, raw text (--chat formats it" in r.stderr  # not --chat: the hint
+    assert "try --chat" not in r.stderr  # it answered: no second hint
+
+
+def test_an_empty_answer_to_raw_text_suggests_chat(home: Path, model_path: Path):
+    """SmolLM2 ends a bare question at once (EOS first): the run says why its answer is empty and what to try."""
+    r = cli(home, "run", "--model", model_path, "--prompt", "What is 2+2?")
+    ok(r)
+    assert r.stdout == "\n" and "1 token, stop: eos" in r.stderr
+    assert "the model ended at once (its first token was EOS), as instruct models often do on raw text: try --chat" in r.stderr
+    r = cli(home, "run", "--model", model_path, "--prompt", "What is 2+2?", "--chat", "--max-tokens", "4")
+    ok(r)
+    assert r.stdout.strip() and "try --chat" not in r.stderr
 
 
 def test_info_kv_sizes(home: Path, model_path: Path):
@@ -155,7 +167,7 @@ def test_info_kv_sizes(home: Path, model_path: Path):
 def test_info_default_ctx_is_4096(home: Path, model_path: Path):
     r = cli(home, "info", model_path)
     ok(r)
-    assert "188,743,680" in r.stdout and "94,371,840" in r.stdout
+    assert "188,743,680 (180.0 MiB)" in r.stdout and "94,371,840 (90.0 MiB)" in r.stdout
 
 
 def test_models_lists_registry(home: Path):
@@ -306,7 +318,7 @@ def test_tiny_model_info(home: Path, tiny_dir: Path):
     r = cli(home, "info", model, "--ctx", "64")
     ok(r)
     per_position = 2 * 2 * 32 * 4  # n_layer x (K and V) x kv_width (2 heads x 16) x f32 bytes
-    assert re.search(rf"f32\s*│\s*{per_position:,}\s*│\s*{per_position * 64:,}", r.stdout), r.stdout
+    assert re.search(rf"f32\s*│\s*{per_position:,}\s*│\s*{per_position * 64:,} \(32\.0 KiB\)", r.stdout), r.stdout
 
 
 # ------------------------------------------------------------------------------------------ subprocess

@@ -155,6 +155,11 @@ def test_verify_folder_all_match(home: Path, model_path: Path, recorded: Path):
     for name in RUNS:
         assert re.search(r"│\s*smollm2-135m-instruct-q4_1\s*│\s*8\s*│\s*match\s*│", row(r.stdout, f"{name}.json")), r.stdout
     assert "mismatch" not in r.stdout and "bad input" not in r.stdout
+    # one summary line; the files of one model ran side by side (--batch 8), so their times overlap; not with --batch 1
+    assert re.search(rf"^{len(RUNS)} files: {len(RUNS)} match in \d+\.\d s \(files ran side by side, so their times overlap\)$",
+                     r.stdout, re.M), r.stdout  # fmt: skip
+    r = verify(home, model_path, recorded, "--batch", "1")
+    assert re.search(rf"^{len(RUNS)} files: {len(RUNS)} match in \d+\.\d s$", r.stdout, re.M), r.stdout
 
 
 def test_verify_json_with_one_thread(home: Path, model_path: Path, recorded: Path):
@@ -320,6 +325,7 @@ def test_folder_mixing_good_and_bad_files(home: Path, model_path: Path, recorded
         for needle in needles:
             assert needle in report[0], report
     assert "good.json:" not in r.stdout and "mismatch" not in r.stdout
+    assert re.search(rf"^{len(BAD) + 1} files: 1 match, {len(BAD)} bad input in ", r.stdout, re.M), r.stdout
 
 
 def test_missing_path_or_empty_folder(home: Path, model_path: Path, recorded: Path, tmp_path: Path):
@@ -351,6 +357,8 @@ def test_golden_record_verifies(home: Path, model_path: Path, golden_file: Path)
     code, results, summary = verify_json(home, model_path, golden_file)
     assert code == 0 and summary["match"] == 1
     assert results["short_greedy.json"]["steps"] == 8
+    # named as a manifest of the same model is (its registry name), not by the file it ran on
+    assert results["short_greedy.json"]["model"] == "smollm2-135m-instruct-q4_1" != model_path.name
 
 
 def test_golden_record_with_other_tokens_is_a_mismatch(home: Path, model_path: Path, golden_file: Path, tmp_path: Path):
@@ -393,7 +401,7 @@ def test_a_committed_gemma_golden_record_verifies_on_its_own(gemma_path: Path):
     """A golden record names its model by sha256 only; alone (no manifest of that model verified before it, no
     --model) it is re-run on the registry model with that sha256, not on the default model."""
     (result,) = verify_paths([Path(__file__).parent.parent / "golden" / "gemma3_plain_greedy.json"])
-    assert result.status == MATCH and result.model == gemma_path.name, result
+    assert result.status == MATCH and result.model == "gemma3-270m-q4_k_m", result  # the registry name of its sha256
 
 
 def test_differences_show_where_long_values_differ():

@@ -460,19 +460,29 @@ def _machine() -> dict[str, str | int]:
 
     return {"cpu": cpu_name(), "host_cpu_name": machine()["host_cpu_name"], "isa": machine()["isa"],
             "cores": os.cpu_count() or 0, "python": platform.python_version(),
-            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "source": _source()}  # fmt: skip
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "source": source()}  # fmt: skip
 
 
-def _source() -> str:
-    """The commit a bench ran (``git describe --always --dirty`` of detinfer's checkout), else detinfer's version."""
+CODE_PATHS = ("detinfer", "bench/*.py", "pyproject.toml")  # what a bench runs, beside its own result files
+
+
+def source(root: Path = Path(__file__).parents[2]) -> str:
+    """The commit a bench ran, ``git describe --always`` of the checkout at ``root`` (detinfer's), with "-dirty" when
+    the code it runs (CODE_PATHS) differs from that commit; the result files an earlier bench section wrote do not
+    count (a lockstep run after a speculate run read "-dirty"). Outside a checkout: detinfer's version."""
     from ..version import __version__
 
-    try:
-        proc = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(__file__).parent, capture_output=True,
-                              text=True, timeout=10)  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired):
-        proc = None
-    return proc.stdout.strip() if proc is not None and proc.returncode == 0 else f"detinfer {__version__}"
+    def git(*args: str) -> str | None:
+        try:
+            proc = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return proc.stdout.strip() if proc.returncode == 0 else None
+
+    commit = git("describe", "--always")
+    if commit is None:
+        return f"detinfer {__version__}"
+    return commit + ("-dirty" if git("status", "--porcelain", "--", *CODE_PATHS) else "")
 
 
 def machine_line(m: dict) -> str:

@@ -104,7 +104,8 @@ ChatTemplateOpt = Annotated[Optional[str], typer.Option(
 QuietOpt = Annotated[bool, flag("--quiet", "-q", help="Do not stream tokens; print only the summary.")]
 RayOpt = Annotated[Optional[str], typer.Option(
     "--ray", metavar="[ADDRESS]",
-    help="Fan the work out over Ray: alone (or local), a local cluster sized to this machine; auto, ray://HOST:PORT or HOST:PORT joins one.")]
+    help="Fan the work out over Ray actors. --ray (or --ray local) starts a local cluster sized to this machine; "
+         "--ray auto, --ray ray://HOST:PORT or --ray HOST:PORT joins a running one.")]
 ActorsOpt = Annotated[Optional[int], typer.Option("--actors", help="With --ray: how many actors (default: the cluster's CPUs / --threads).")]
 REDERIVE = "--rederive"
 RederiveOpt = Annotated[bool, flag(REDERIVE, help="Use no file derived from the model: parse its header, build the tokenizer, repack the "

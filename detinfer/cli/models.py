@@ -36,6 +36,11 @@ def models() -> None:
     out.print(table)
 
 
+def _binary(n: int) -> str:
+    """A byte count in MiB, or KiB below one (a tiny model's KV cache printed "0.0 MiB")."""
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
 @app.command()
 def info(
     model: Annotated[Optional[str], typer.Argument(help="Registry name or .gguf path.")] = None,
@@ -59,7 +64,7 @@ def info(
     layers = "attention layers" if n_rec else "n_layer"
     kv = Table("kv type", "bytes / position", f"bytes at n_ctx={ctx}", title=f"KV cache = {layers} × positions × 2 × kv_width × bytes_per_number")
     for kv_type, (per_position, total) in mi.kv.items():
-        kv.add_row(kv_type, f"{per_position:,}", f"{total:,} ({total / 2**20:.1f} MiB)")
+        kv.add_row(kv_type, f"{per_position:,}", f"{total:,} ({_binary(total)})")
     out.print(kv)
     split = f" ({cfg.n_attn_layer} attention, {n_rec} Gated DeltaNet)" if n_rec else ""
     out.print(f"kv_width = n_head_kv × head_dim = {cfg.n_head_kv} × {cfg.head_dim} = {cfg.kv_width}; n_layer = {cfg.n_layer}{split}")
@@ -67,7 +72,7 @@ def info(
         K, conv, (h, dv, dk) = cfg.ssm_conv_kernel, cfg.ssm_conv_width, (cfg.ssm_n_v_head, cfg.ssm_head_v, cfg.ssm_head_k)
         out.print(f"recurrent state = Gated DeltaNet layers × ((K − 1) × conv_width + n_v_head × head_v × head_k) × 4 bytes = "
                   f"{n_rec} × ({K - 1} × {conv} + {h} × {dv} × {dk}) × 4 = {cfg.state_bytes:,} bytes "
-                  f"({cfg.state_bytes / 2**20:.1f} MiB) per sequence, whatever its length", soft_wrap=True)  # fmt: skip
+                  f"({_binary(cfg.state_bytes)}) per sequence, whatever its length", soft_wrap=True)  # fmt: skip
         kept, every, budget = mi.checkpoints
         out.print(f"state checkpoints: the {kept} latest per cache (after each prompt, at each turn's end, every {every} "
                   f"positions), at most {kept} × {cfg.state_bytes:,} = {budget:,} bytes", soft_wrap=True)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
+from collections import Counter
 from functools import partial
 from pathlib import Path
 from typing import Annotated, Optional
@@ -50,15 +52,17 @@ from .common import (
 JsonOpt = Annotated[bool, flag("--json", help="Machine-readable output: one JSON object per file (or row) and a summary.")]
 
 
-def _print_outcomes(outcomes: list, as_json: bool) -> None:
-    """verify's output: a table (or JSON lines), each non-match's report, GitHub annotations; then the exit code."""
+def _print_outcomes(outcomes: list, as_json: bool, seconds: float, side_by_side: bool) -> None:
+    """verify's output: a table (or JSON lines), a summary line (``seconds``: the whole re-execution's wall time;
+    ``side_by_side``: files ran beside each other, so their times overlap), each non-match's report, GitHub
+    annotations; then the exit code."""
     annotations = github_annotations(outcomes) if os.environ.get("GITHUB_ACTIONS") == "true" else []
     if as_json:
         out.print(api.to_json_lines(outcomes), soft_wrap=True, markup=False, emoji=False)  # data: ":pizza:" stays text
         for line in annotations:
             err.print(line, soft_wrap=True, markup=False, emoji=False, highlight=False)
         raise typer.Exit(api.exit_code(outcomes))
-    table = Table("manifest", "model", "steps", "result", "time", "threads", "recorded on", "re-executed on")
+    table = Table("manifest", "model", "generated", "result", "time", "threads", "recorded on", "re-executed on")
     for r in outcomes:
         style = "green" if r.status == api.MATCH else "red" if r.status != api.BAD_INPUT else "yellow"
         table.add_row(escape(r.path), escape(r.model), str(r.steps), f"[{style}]{r.status}[/]", f"{r.seconds:.1f}s", str(r.threads or ""),
@@ -66,6 +70,10 @@ def _print_outcomes(outcomes: list, as_json: bool) -> None:
     out.print(table)
     for described in sorted({api.describe_machine(m) for r in outcomes for m in (r.recorded_on, r.reexecuted_on) if m}):
         out.print(f"  {escape(described)}", soft_wrap=True)
+    counts = Counter(r.status for r in outcomes)
+    tally = ", ".join(f"{counts[s]} {s}" for s in (api.MATCH, api.MISMATCH, api.BAD_INPUT) if counts[s])
+    overlap = " (files ran side by side, so their times overlap)" if side_by_side else ""
+    out.print(f"{len(outcomes)} file{'s' * (len(outcomes) != 1)}: {tally} in {seconds:.1f} s{overlap}", soft_wrap=True)
     _print_reports([r for r in outcomes if r.status != api.MATCH])
     for line in annotations:
         out.print(line, soft_wrap=True, markup=False, emoji=False, highlight=False)
@@ -101,6 +109,7 @@ def verify(
             raise InputError(f"no manifests found in {', '.join(map(str, paths))}")
     except DetinferError as e:
         fail(e)
+    t0 = time.perf_counter()
     if ray is not None or actors is not None:
         outcomes = fan_out("verified", partial(reexecute_task, model=model), api.read_all(files), reexecute_failed,
                            ray=ray, threads=threads, actors=actors, rederive=rederive)  # fmt: skip
@@ -109,6 +118,7 @@ def verify(
             task = progress.add_task("verifying", total=len(files))
             outcomes = api.verify(files, model=model, threads=threads, on_result=lambda r: progress.advance(task), rederive=rederive,
                                   batch=batch)  # fmt: skip
+    seconds = time.perf_counter() - t0
     if junit_xml is not None:
         try:
             write_junit(outcomes, junit_xml)
@@ -116,7 +126,9 @@ def verify(
             fail(e)
         except OSError as e:
             fail(InputError(f"cannot write --junit-xml {junit_xml}: {e.strerror or e}"))
-    _print_outcomes(outcomes, as_json)
+    run = [r.model for r in outcomes if r.status != api.BAD_INPUT]
+    side_by_side = len(run) > len(set(run)) and (batch > 1 or ray is not None or actors is not None)
+    _print_outcomes(outcomes, as_json, seconds, side_by_side)
 
 
 def _print_reports(outcomes: list) -> None:

@@ -168,6 +168,8 @@ def run(
         if out_path is not None:
             steps.result.manifest.save(out_path)
         _summary(steps.result.manifest, out_path)
+        if not quiet and how.startswith(", raw") and steps.result.stop_reason == "eos" and not steps.result.text:
+            err.print("[dim]the model ended at once (its first token was EOS), as instruct models often do on raw text: try --chat[/]")
     except DetinferError as e:
         fail(e)
     except KeyboardInterrupt:

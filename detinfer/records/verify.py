@@ -27,6 +27,7 @@ from ..compute.prefix_cache import PrefixCache
 from ..compute.sampling import Sampling
 from ..errors import DetinferError, ManifestError
 from ..model.chat import BUILTIN_TEMPLATES, ChatTemplate
+from ..model.registry import name_for_sha256
 from .binding import check_stream_turns
 from .engines import EngineCache
 from .manifest import PromptRecord, RunManifest, tokens_sha256
@@ -188,7 +189,8 @@ def _reexecute_on(record: Record, engine: Engine, options: ReplayOptions, prefix
             out = _KINDS[record.kind](record, engine, options)
     except DetinferError as e:
         return bad_input(str(record.path), str(e), time.perf_counter() - t0)
-    out.kind, out.model, out.seconds = record.kind, out.model or engine.model_file.path.name, time.perf_counter() - t0
+    out.kind, out.seconds = record.kind, time.perf_counter() - t0
+    out.model = out.model or name_for_sha256(record.model_sha256) or engine.model_file.path.name
     return out
 
 
