@@ -154,11 +154,12 @@ def run(
         steps = llm.stream(None if chat_input is not None else text, messages=chat_input, chunk_size=chunk_size, constraint=constraint,
                            **options)  # fmt: skip
         compiling(llm.warm_up)  # after the prompt and the constraint were checked: bad input fails fast
+        raw = chat_input is None and llm.engine.chat_template is not None  # an instruct model given bare text
         if not quiet:
             n = len(steps.prompt_tokens)
-            # an instruct model given bare text continues it instead of answering: say which the prompt was
+            # it continues bare text instead of answering: say which the prompt was
             how = (", rendered by the chat template" if chat_input is not None
-                   else ", raw text (--chat formats it with the model's chat template)" if llm.engine.chat_template else "")
+                   else ", raw text (--chat formats it with the model's chat template)" if raw else "")
             err.print(f"[dim]{escape(llm.engine.model_file.path.name)}: {n} prompt token{'s' * (n != 1)}{how}[/]")
         on_step = streamer(quiet)
         for step in steps:
@@ -168,7 +169,7 @@ def run(
         if out_path is not None:
             steps.result.manifest.save(out_path)
         _summary(steps.result.manifest, out_path)
-        if not quiet and how.startswith(", raw") and steps.result.stop_reason == "eos" and not steps.result.text:
+        if not quiet and raw and steps.result.stop_reason == "eos" and not steps.result.text:
             err.print("[dim]the model ended at once (its first token was EOS), as instruct models often do on raw text: try --chat[/]")
     except DetinferError as e:
         fail(e)
