@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -199,7 +200,7 @@ def test_deep_or_huge_json_files_are_bad_input(home: Path, tiny_chat: Path, tmp_
     f.write_text(text)
     one_error_line(cli(home, "run", "--model", tiny_chat, "--messages", f, "--ctx", "64"), needle)
     one_error_line(cli(home, "run", "--manifest", f), needle)
-    bad_input_row(cli(home, "replay", f), needle)
+    assert re.search(r"^1 file: 1 bad input in \d+\.\d s$", bad_input_row(cli(home, "replay", f), needle), re.M)
     one_error_line(cli(home, "session", "run", f, "--model", tiny_chat), needle)
     r = cli(home, "verify", f, "--json")
     rows = [json.loads(line) for line in r.stdout.splitlines()]
@@ -295,6 +296,7 @@ def test_unedited_session_record_replays(home, tiny_chat, session_record, tmp_pa
     f.write_text(json.dumps(session_record[0]))
     r = cli(home, "replay", f, "--model", tiny_chat, "--threads", "1")
     assert r.exit_code == 0, r.output
+    assert re.search(r"^1 file, 2 turns: 1 match in \d+\.\d s$", r.stdout, re.M), r.stdout  # the summary line
 
 
 def test_resealed_manifest_with_huge_token_id_is_bad_input(home, tiny_chat, file_template_manifest, tmp_path):

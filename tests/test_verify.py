@@ -173,6 +173,10 @@ def test_verify_json_with_one_thread(home: Path, model_path: Path, recorded: Pat
         assert res["threads"] == 1, res
         assert res["steps"] == 8 and res["model"] == "smollm2-135m-instruct-q4_1"
         assert res["differences"] == [] and res["divergence"] is None and res["message"] == ""
+    # in lockstep by engine (model, n_ctx, kv type): the two f32 files ran beside each other, the f16 one alone
+    assert {name: res["overlapped"] for name, res in results.items()} == {"greedy.json": True, "sampled.json": True, "f16_kv.json": False}
+    _, results, _ = verify_json(home, model_path, recorded, "--threads", "1", "--batch", "1")
+    assert not any(res["overlapped"] for res in results.values())
 
 
 def test_json_output_is_data_not_console_markup(home: Path, model_path: Path, recorded: Path, tmp_path: Path):

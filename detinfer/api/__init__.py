@@ -54,6 +54,7 @@ from .records import (
     selftest,
     selftest_ok,
     short_machine,
+    summary,
     to_json_lines,
     verify,
 )
@@ -63,4 +64,4 @@ __all__ = ["BAD_INPUT", "DEFAULT_BATCH", "Constraint", "Conversation", "DEFAULT_
            "check_chunk_size", "check_speculate",
            "collect", "collect_sessions", "constraint_from_options", "describe_machine", "exit_code", "inspect_kv", "jit_cache_files",
            "list_models", "load", "load_messages", "load_script", "model_info", "pull", "read_all", "read_prompt_file", "replay",
-           "rerun", "selftest", "selftest_ok", "set_threads", "short_machine", "to_json_lines", "verify", "warm_up"]
+           "rerun", "selftest", "selftest_ok", "set_threads", "short_machine", "summary", "to_json_lines", "verify", "warm_up"]

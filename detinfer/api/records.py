@@ -23,6 +23,7 @@ from ..records.outcome import (
     MISMATCH,
     Outcome,
     exit_code,
+    summary,
     to_json_lines,
 )
 from ..records.reader import collect, collect_sessions, read_record
@@ -37,7 +38,7 @@ VerifyResult = Outcome  # the name of earlier releases
 
 __all__ = ["BAD_INPUT", "DEFAULT_BATCH", "MATCH", "MISMATCH", "Outcome", "ReplayOptions", "VerifyResult", "branch", "collect", "collect_sessions",
            "describe_machine", "exit_code", "inspect_kv", "load_script", "read_all", "replay", "rerun", "selftest", "selftest_ok",
-           "short_machine", "to_json_lines", "verify"]
+           "short_machine", "summary", "to_json_lines", "verify"]
 
 
 def _paths(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list:

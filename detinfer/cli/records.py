@@ -7,7 +7,6 @@ import json
 import os
 import sys
 import time
-from collections import Counter
 from functools import partial
 from pathlib import Path
 from typing import Annotated, Optional
@@ -52,10 +51,21 @@ from .common import (
 JsonOpt = Annotated[bool, flag("--json", help="Machine-readable output: one JSON object per file (or row) and a summary.")]
 
 
-def _print_outcomes(outcomes: list, as_json: bool, seconds: float, side_by_side: bool) -> None:
-    """verify's output: a table (or JSON lines), a summary line (``seconds``: the whole re-execution's wall time;
-    ``side_by_side``: files ran beside each other, so their times overlap), each non-match's report, GitHub
-    annotations; then the exit code."""
+def _summary_line(outcomes: list, seconds: float, fanned_out: bool, what: str = "") -> None:
+    """``12 files: 11 match, 1 mismatch in 4.1 s``: the tally, the whole re-execution's wall time (``seconds``), and
+    whether files ran beside each other so that their own times overlap (in lockstep, or ``fanned_out`` over Ray
+    actors); ``what``: more about the files (", 149 turns")."""
+    counts = api.summary(outcomes)
+    tally = ", ".join(f"{n} {s}" for s in (api.MATCH, api.MISMATCH, api.BAD_INPUT) if (n := counts[s.replace(" ", "_")]))
+    ran = sum(r.status != api.BAD_INPUT for r in outcomes)
+    overlap = any(r.overlapped for r in outcomes) or (fanned_out and ran > 1)
+    out.print(f"{len(outcomes)} file{'s' * (len(outcomes) != 1)}{what}: {tally} in {seconds:.1f} s"
+              + " (files ran side by side, so their times overlap)" * overlap, soft_wrap=True)  # fmt: skip
+
+
+def _print_outcomes(outcomes: list, as_json: bool, seconds: float, fanned_out: bool) -> None:
+    """verify's output: a table (or JSON lines), a summary line (:func:`_summary_line`), each non-match's report,
+    GitHub annotations; then the exit code."""
     annotations = github_annotations(outcomes) if os.environ.get("GITHUB_ACTIONS") == "true" else []
     if as_json:
         out.print(api.to_json_lines(outcomes), soft_wrap=True, markup=False, emoji=False)  # data: ":pizza:" stays text
@@ -70,10 +80,7 @@ def _print_outcomes(outcomes: list, as_json: bool, seconds: float, side_by_side:
     out.print(table)
     for described in sorted({api.describe_machine(m) for r in outcomes for m in (r.recorded_on, r.reexecuted_on) if m}):
         out.print(f"  {escape(described)}", soft_wrap=True)
-    counts = Counter(r.status for r in outcomes)
-    tally = ", ".join(f"{counts[s]} {s}" for s in (api.MATCH, api.MISMATCH, api.BAD_INPUT) if counts[s])
-    overlap = " (files ran side by side, so their times overlap)" if side_by_side else ""
-    out.print(f"{len(outcomes)} file{'s' * (len(outcomes) != 1)}: {tally} in {seconds:.1f} s{overlap}", soft_wrap=True)
+    _summary_line(outcomes, seconds, fanned_out)
     _print_reports([r for r in outcomes if r.status != api.MATCH])
     for line in annotations:
         out.print(line, soft_wrap=True, markup=False, emoji=False, highlight=False)
@@ -126,9 +133,7 @@ def verify(
             fail(e)
         except OSError as e:
             fail(InputError(f"cannot write --junit-xml {junit_xml}: {e.strerror or e}"))
-    run = [r.model for r in outcomes if r.status != api.BAD_INPUT]
-    side_by_side = len(run) > len(set(run)) and (batch > 1 or ray is not None or actors is not None)
-    _print_outcomes(outcomes, as_json, seconds, side_by_side)
+    _print_outcomes(outcomes, as_json, seconds, ray is not None)
 
 
 def _print_reports(outcomes: list) -> None:
@@ -187,6 +192,7 @@ def replay(
                        on_step=streamer(False), on_turn=lambda i, rec: (sys.stdout.write("\n"), _turn_line(i, rec)), rederive=rederive)  # fmt: skip
             err.print(f"replayed {until} turn(s) exactly, then ran new turn(s); session: {escape(str(out_path))}")
             return
+        t0 = time.perf_counter()
         if ray is not None or actors is not None:
             options = api.ReplayOptions(use_cache=not no_cache, speculate=api.check_speculate(speculate))
             outcomes = fan_out("replayed", partial(reexecute_task, model=model, options=options), api.read_all(api.collect_sessions(paths)),
@@ -208,6 +214,8 @@ def replay(
                           str(r["steps"]), str(r["reused_tokens"]), "" if r["first_divergent_step"] is None else str(r["first_divergent_step"]),
                           detail)  # fmt: skip
         out.print(table)
+        turns = sum(len(r.turns) for r in outcomes)
+        _summary_line(outcomes, time.perf_counter() - t0, ray is not None, f", {turns} turn{'s' * (turns != 1)}" if turns else "")
         _print_reports([r for r in outcomes if r.status == api.BAD_INPUT])
     raise typer.Exit(api.exit_code(outcomes))
 

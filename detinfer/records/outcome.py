@@ -29,7 +29,8 @@ class Outcome:
     """One file re-executed. ``status``: MATCH, MISMATCH or BAD_INPUT (``message`` says why); ``differences``: the
     contract fields that differ ({field, expected, actual}); ``divergence``: the first divergent step; ``turns``: for a
     session, one row per turn (turn, result, differs, first_divergent_step, reused_tokens, steps, and expected /
-    actual (id, text) at a divergence). ``threads``, ``seconds`` and the machines are informative."""
+    actual (id, text) at a divergence). ``threads``, ``seconds``, ``overlapped`` (re-executed in lockstep beside other
+    files, so ``seconds`` overlaps theirs) and the machines are informative."""
 
     path: str
     status: str
@@ -41,6 +42,7 @@ class Outcome:
     differences: list[dict] = field(default_factory=list)
     divergence: Divergence | None = None
     threads: int | None = None
+    overlapped: bool = False
     recorded_on: dict[str, str] = field(default_factory=dict)  # detinfer.records.machine.machine() of the recording
     reexecuted_on: dict[str, str] = field(default_factory=dict)
     turns: list[dict[str, Any]] = field(default_factory=list)
@@ -85,6 +87,7 @@ def exit_code(outcomes: list[Outcome]) -> int:
 
 
 def summary(outcomes: list[Outcome]) -> dict:
+    """The counts of ``outcomes`` by status, and their exit code (the last of ``--json``'s lines)."""
     return {
         "summary": True,
         "files": len(outcomes),

@@ -239,7 +239,11 @@ def reexecute_all(items: Sequence[Record | Outcome], engines: EngineCache, optio
         if runs:
             engine = runs[0][1]
             tasks = [partial(_reexecute_on, items[i], options=options, prefix_cache=engines.prefix_cache(engine)) for i, _ in runs]
-            lockstep(engine, tasks, batch=batch, on_result=lambda k, outcome: done(runs[k][0], outcome))
+            def finished(k: int, outcome: Outcome) -> None:
+                outcome.overlapped = len(runs) > 1  # lockstep runs synchronously: ``runs`` is this group's
+                done(runs[k][0], outcome)
+
+            lockstep(engine, tasks, batch=batch, on_result=finished)
     return outcomes
 
 
