@@ -55,3 +55,25 @@ class MismatchError(DetinferError):
     """A re-execution whose outputs differ from the recorded ones."""
 
     exit_code = 1
+
+
+_JSON_KINDS = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+               type(None): "null"}  # fmt: skip
+
+
+def json_kind(value: object) -> str:
+    """What a parsed JSON value is, for messages: "an object", "an array", "a string", "a number", "a boolean", "null"."""
+    return _JSON_KINDS.get(type(value), "something else")
+
+
+def first_error(e: Exception, prefix: str = "") -> str:
+    """The first error of a pydantic ValidationError ``e`` as one phrase, ``loc: msg`` with ``prefix`` before the
+    location ("turns.0.messages: Field required"); a top level of the wrong kind, which has no location, says what
+    it must be ("the top level must be a JSON object, got an array")."""
+    err = e.errors()[0]  # type: ignore[attr-defined]
+    loc = prefix + ".".join(str(x) for x in err["loc"])
+    if loc:
+        return f"{loc}: {err['msg']}"
+    if err["type"] in ("model_type", "dict_type", "model_attributes_type"):
+        return f"the top level must be a JSON object, got {json_kind(err['input'])}"
+    return err["msg"]

@@ -383,10 +383,12 @@ def _check_utf8(data: Any) -> None:
             todo.extend(value)
 
 
-def parse_json(text: str | bytes, error: type[Exception], what: str, where: str | os.PathLike) -> Any:
-    """Parse the JSON ``what`` read from ``where`` with bounded nesting (MAX_JSON_DEPTH), integers (Python's limit
-    of 4,300 digits; the pydantic models bound each value) and valid UTF-8 strings; a violation or syntax error
-    raises ``error``, one line."""
+def parse_json(text: str | bytes, error: type[Exception], what: str, where: str | os.PathLike | None = None) -> Any:
+    """Parse the JSON ``what`` read from ``where`` (None: ``what`` names it, as for a request body) with bounded
+    nesting (MAX_JSON_DEPTH), integers (Python's limit of 4,300 digits; the pydantic models bound each value) and
+    valid UTF-8 strings; a violation or syntax error raises ``error``, one line."""
+    subject = f"{where}: the {what}" if where is not None else f"the {what}"
+    invalid = f"{where} is not a JSON {what}" if where is not None else f"the {what} is not valid JSON"
     try:
         if isinstance(text, bytes):
             text = text.decode("utf-8")
@@ -395,16 +397,19 @@ def parse_json(text: str | bytes, error: type[Exception], what: str, where: str 
         if len(_SURROGATE_ESCAPE.findall(text)) != 2 * len(_SURROGATE_PAIR.findall(text)):
             _check_utf8(data)
     except RecursionError:
-        raise error(f"{where}: {what} JSON is nested deeper than {MAX_JSON_DEPTH} levels") from None
+        raise error(f"{subject} is nested deeper than {MAX_JSON_DEPTH} levels") from None
     except _JSONLimit as e:
-        raise error(f"{where}: {what} JSON {e}") from None
+        raise error(f"{subject} {e}") from None
     except json.JSONDecodeError as e:
-        raise error(f"{where} is not a JSON {what}: invalid JSON at line {e.lineno} column {e.colno} ({e.msg}); "
-                    "it may be truncated") from None  # fmt: skip
-    except ValueError as e:  # bytes that are not UTF-8, or an integer past Python's limit of 4,300 digits
+        at = f"line {e.lineno} column {e.colno}" if "\n" in e.doc.strip() else f"column {e.colno}"
+        ended = e.pos >= len(e.doc.rstrip())  # it stopped where the text does: the rest may be missing
+        raise error(f"{invalid}: invalid JSON at {at} ({e.msg}){'; it may be truncated' * ended}") from None
+    except UnicodeDecodeError as e:
+        raise error(f"{invalid}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
+    except ValueError as e:  # an integer past Python's limit of 4,300 digits
         if "integer string conversion" in str(e):
-            raise error(f"{where}: {what} JSON holds an integer of more than {sys.get_int_max_str_digits():,} digits") from None
-        raise error(f"{where} is not a JSON {what} ({' '.join(str(e).split())[:200]}); it may be truncated") from None
+            raise error(f"{subject} holds an integer of more than {sys.get_int_max_str_digits():,} digits") from None
+        raise error(f"{invalid} ({' '.join(str(e).split())[:200]})") from None
     return data
 
 

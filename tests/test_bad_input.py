@@ -249,7 +249,7 @@ def test_chat_without_template(home: Path, tiny: Path, tmp_path: Path):
         ([{"role": "user", "content": "hi"}, {"role": "user"}], "message 1 has no 'content'"),
         ([{"role": "user", "content": 3}], "'content' of type int"),
         ([], "empty"),
-        ("[{", "invalid JSON at line 1"),
+        ("[{", "invalid JSON at column 3 (Expecting property name enclosed in double quotes); it may be truncated"),
     ],
 )
 def test_bad_messages_file(home: Path, tmp_path: Path, content, needle: str):
@@ -370,3 +370,20 @@ def test_manifest_with_another_model_file(home: Path, manifest_json: dict, tiny:
 def test_manifest_with_prompt_option(home: Path, manifest_json: dict, tmp_path: Path):
     r = rerun(home, write_json(tmp_path / "run.json", manifest_json), tmp_path, "--prompt", "hi")
     one_error_line(r, "--manifest", "--prompt")
+
+
+def test_json_of_the_wrong_kind_says_what_it_is(home: Path, tmp_path: Path):
+    """A top level that is not an object, or a session script where a record goes, is named for what it is (not a
+    location-less "Input should be a valid dictionary", nor "not a valid session snapshot: model_sha256: Field required")."""
+    (tmp_path / "list.json").write_text("[1, 2]")
+    one_error_line(cli(home, "session", "run", tmp_path / "list.json"), "list.json: the top level must be a JSON object, got an array")
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps({"sampling": {"max_tokens": 3}, "turns": [{"messages": [{"role": "user", "content": "Hi"}]}]}))
+    for command in ("replay", "verify"):
+        r = cli(home, command, script)
+        assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+        assert f"{script} is a session script (turns to run), not a record of a run: run it with `detinfer session run" in r.stdout, r.stdout
+    # control: the same turns with a record's schema_version are read as a record (and fail as one, not as a script)
+    script.write_text(json.dumps({"schema_version": SCHEMA_VERSION, "turns": [{"messages": []}]}))
+    r = cli(home, "replay", script)
+    assert r.exit_code == 2 and "session script" not in r.stdout and "not a valid session record" in r.stdout, r.stdout

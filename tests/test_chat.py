@@ -176,7 +176,7 @@ def test_load_messages(tmp_path: Path):
     ("content", "match"),
     [
         (None, "not found"),
-        ("[{\"role\": \"user\", \"content\": \"hi\"}", "invalid JSON at line 1 column"),
+        ("[{\"role\": \"user\", \"content\": \"hi\"}", "invalid JSON at column"),
         ("{\"role\": \"user\", \"content\": \"hi\"}", "expected a list"),
         ("[{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"user\"}]", "message 1 has no 'content'"),
         (b"\xff\xfe[]", "not a JSON messages file"),

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_helpers import cli
+from cli_helpers import cli, detinfer, one_error_line
 
 from detinfer.compute.engine import Engine
 from detinfer.records.kvfile import save_kv
@@ -101,3 +101,23 @@ def test_quick_exit_does_what_a_normal_exit_must(tmp_path: Path, code: str, stat
     assert (r.returncode, r.stdout) == (status, "buffered stdout")
     assert (tmp_path / "thread").read_text() == (tmp_path / "atexit").read_text() == "done"
     assert r.stderr == ("a message\n" if status == 1 else "")
+
+
+@pytest.mark.parametrize(("args", "needles"), [
+    (["run", "--temperature", "abc"], ["'--temperature'", "valid number", "(see `detinfer run --help`)"]),
+    (["run", "--threads", "x"], ["'--threads'", "valid integer"]),
+    (["models", "--json"], ["No such option: --json", "(see `detinfer models --help`)"]),
+    (["bogus"], ["No such command 'bogus' (see `detinfer --help`)"]),
+    (["session", "run"], ["Missing argument 'script'", "(see `detinfer session run --help`)"]),
+], ids=["bad-value", "bad-int", "unknown-option", "unknown-command", "missing-argument"])  # fmt: skip
+def test_usage_errors_are_one_line(tmp_path, args, needles):
+    """typer draws a usage error in a box of several lines; here it is one line like every other error, exit 2."""
+    r = detinfer(tmp_path, *args, timeout=60)
+    assert r.stdout == "" and "╭" not in r.stderr, r.stderr
+    one_error_line(r, *needles)
+
+
+def test_no_arguments_still_show_the_help(tmp_path):
+    """Negative control for the test above: a group called bare shows its help (exit 2, as click does), not an error."""
+    r = detinfer(tmp_path, "session", timeout=60)
+    assert r.returncode == 2 and "run" in r.stdout and "error:" not in r.stdout + r.stderr, r.stdout + r.stderr

@@ -103,7 +103,7 @@ def test_a_hostile_stored_snapshot_fails_with_its_reason(project: Path):
             (project / p).write_bytes(originals[k])
     out = r.stdout + r.stderr
     assert r.returncode == 1 and "3 failed" in r.stdout, out
-    assert "stored snapshot JSON is nested deeper than" in out and "output_token_ids.0" in out and "is a FIFO" in out, out
+    assert "the stored snapshot is nested deeper than" in out and "output_token_ids.0" in out and "is a FIFO" in out, out
     assert out.count("rewrite it with pytest --snapshot-update") >= 3, out
     assert "RecursionError" not in out and "TokenizerError" not in out, out
 

@@ -369,6 +369,9 @@ def test_truncated_files_are_refused(small_file):
     with pytest.raises(KVFileError) as e:
         load_kv(small_file)
     assert "header describes" in _error(e)
+    small_file.write_text('{"a": [1, 2]}')  # short, and no snapshot at all: said so, not "truncated"
+    with pytest.raises(KVFileError, match=r"not a \.detkv KV snapshot \(starts with b'\{\"a\": \[1'\)"):
+        inspect_kv(small_file)
 
 
 def test_refusals_with_a_valid_checksum(small_file, tmp_path):

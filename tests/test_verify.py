@@ -100,7 +100,7 @@ def row(stdout: str, name: str) -> str:
 def report_lines(stdout: str, name: str) -> list[str]:
     """The report lines under the table for the file called ``name`` (its message line and indented details)."""
     lines = stdout.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("/") and line.split(": ", 1)[0].endswith("/" + name))
+    start = next(i for i, line in enumerate(lines) if re.match(rf"/\S*/{re.escape(name)}[: ]", line))
     end = next((i for i in range(start + 1, len(lines)) if not lines[i].startswith("  ")), len(lines))
     return lines[start:end]
 
@@ -266,6 +266,7 @@ BAD = {  # file name: (break a valid manifest's JSON, words the one-line message
     "q8_kv.json": (_q8_kv, ["'q8_0'", KV_QUANT_REASON]),
     "newer.json": (_newer_schema, [f"schema_version {SCHEMA_VERSION + 1}", f"schema {SCHEMA_VERSION}", "upgrade detinfer"]),
     "truncated.json": (_truncated, ["not a JSON record", "truncated"]),
+    "notes.json": (lambda data: "# notes\n" + json.dumps(data), ["notes.json is not a JSON record: invalid JSON at line 1 column 1"]),
 }
 
 
@@ -280,6 +281,7 @@ def test_bad_manifest_is_bad_input(home: Path, model_path: Path, recorded: Path,
     assert "\n" not in res["message"]
     for needle in needles:
         assert needle in res["message"], res["message"]
+    assert ("truncated" in res["message"]) == (name == "truncated.json"), res["message"]  # said only where it is
 
 
 def test_manifest_for_another_model_is_bad_input(home: Path, model_path: Path, recorded: Path, tmp_path: Path):
@@ -310,7 +312,7 @@ def test_manifest_whose_model_is_missing_is_bad_input(home: Path, model_path: Pa
     assert r.exit_code == 2, r.output
     said = [line for line in r.stdout.splitlines() if "not downloaded" in line]
     assert len(said) == 1 and said[0].startswith(f"2 files ({folder / 'a.json'}, {folder / 'b.json'}): model "), r.stdout
-    assert sum(line.startswith(f"{folder / 'c.json'}: ") for line in r.stdout.splitlines()) == 1, r.stdout
+    assert sum(line.startswith(f"{folder / 'c.json'} is not a JSON record") for line in r.stdout.splitlines()) == 1, r.stdout
     code, results, _ = verify_json(home, tmp_path / "absent.gguf", recorded / "greedy.json")
     assert code == 2 and "does not exist" in results["greedy.json"]["message"]
 
@@ -325,7 +327,7 @@ def test_folder_mixing_good_and_bad_files(home: Path, model_path: Path, recorded
     for name, (_, needles) in BAD.items():
         assert re.search(r"│\s*bad input\s*│", row(r.stdout, name)), r.stdout
         report = report_lines(r.stdout, name)
-        assert len(report) == 1, report  # one line per bad file
+        assert len(report) == 1 and report[0].count(name) == 1, report  # one line per bad file, named once
         for needle in needles:
             assert needle in report[0], report
     assert "good.json:" not in r.stdout and "mismatch" not in r.stdout
@@ -413,7 +415,8 @@ def test_differences_show_where_long_values_differ():
     b = a[:60] + [7] + a[61:]
     ea, eb = excerpts(a, b)
     assert ea != eb and ", 60, " in ea and ", 7, " in eb and ea.startswith("...") and len(ea) <= 86
-    assert excerpts("abc", "abd") == ("abc", "abd")
+    assert excerpts("abc", "abd") == ('"abc"', '"abd"')
+    assert excerpts(" Paris.\n\nThe", " Lyon.\n\nThe") == ('" Paris.\\n\\nThe"', '" Lyon.\\n\\nThe"')  # one line each
 
 
 @pytest.mark.parametrize(

@@ -50,7 +50,7 @@ def main() -> None:
     if REDERIVE in sys.argv[1:]:
         _fresh_jit_cache()
     try:
-        app(args=_bare_ray(sys.argv[1:]))
+        app(args=_bare_ray(sys.argv[1:]), prog_name="detinfer")
     except SystemExit as e:
         _quick_exit(e.code)
     _quick_exit(0)

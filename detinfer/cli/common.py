@@ -51,7 +51,28 @@ class _Command(_Help, typer.core.TyperCommand):
 
 
 class _Group(_Help, typer.core.TyperGroup):
-    pass
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        """click's main, but a usage error (an unknown option, a value of the wrong type, a missing argument) is one
+        line naming the fix, exit 2, like every other error (typer draws a box of several lines)."""
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except _CLICK_ERROR as e:
+            if type(e).__name__ != "NoArgsIsHelpError":  # that one's help was shown: it is the answer
+                ctx = getattr(e, "ctx", None)
+                see = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+                err.print(f"[bold red]error:[/] {escape(e.format_message().rstrip('.'))}{escape(see)}", soft_wrap=True)
+            sys.exit(e.exit_code)
+        except typer.Abort:
+            err.print("Aborted!")
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+# click's exception base (UsageError's): typer vendors click since 0.25, so it is found from what typer exports
+_CLICK_ERROR = typer.BadParameter.__mro__[2]
+assert _CLICK_ERROR.__name__ == "ClickException"
 
 
 class App(typer.Typer):

@@ -147,8 +147,11 @@ def _print_reports(outcomes: list) -> None:
     for path, (first, *rest) in reports:
         paths = [path] if rest else shared[first]
         if paths[0] == path:  # in file order, at the first file of its group
-            names = escape(path) if len(paths) == 1 else f"{len(paths)} files ({escape(', '.join(paths))})"
-            out.print(f"[bold]{names}[/]: {escape(first)}", soft_wrap=True)
+            if len(paths) == 1 and first.startswith(f"{path} "):  # "x.json is not a JSON record: ...": named already
+                out.print(f"[bold]{escape(path)}[/]{escape(first.removeprefix(path))}", soft_wrap=True)
+            else:
+                names = escape(path) if len(paths) == 1 else f"{len(paths)} files ({escape(', '.join(paths))})"
+                out.print(f"[bold]{names}[/]: {escape(first)}", soft_wrap=True)
             for line in rest:
                 out.print(line, soft_wrap=True, markup=False, emoji=False)
 

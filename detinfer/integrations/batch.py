@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from ..compute.lockstep import DEFAULT_BATCH, check_batch, lockstep
 from ..compute.sampling import Sampling
-from ..errors import DetinferError, InputError
+from ..errors import DetinferError, InputError, first_error
 from ..fileio import atomic_write_text, parse_json, read_input_text
 from ..model.registry import name_for_sha256
 from ..records.engines import EngineCache
@@ -137,9 +137,7 @@ def read_batch(path: Path, *, model: str | None = None, n_ctx: int = 4096, kv_ty
         except InputError as e:
             error = str(e)
         except ValidationError as e:
-            err = e.errors()[0]
-            where = ".".join(str(x) for x in err["loc"])
-            error = f"{path}:{n}: {where + ': ' if where else ''}{err['msg']}"
+            error = f"{path}:{n}: {first_error(e)}"
         if spec is not None:
             if spec.id in seen:
                 raise InputError(f"{path}: id {spec.id!r} is used on lines {seen[spec.id]} and {n}; ids name the output files and must be unique")

@@ -46,7 +46,7 @@ from ..compute.kvcache import (
     canonical_layers,
     digest_prefix,
 )
-from ..errors import InputError, KVFileError
+from ..errors import InputError, KVFileError, first_error
 from ..fileio import atomic_writer, open_input
 
 MAGIC = b"DETKV\0\0\0"
@@ -272,12 +272,13 @@ def _read_header(path: Path, f: BinaryIO, size: int) -> tuple[KVHeader, Any, int
     """Check magic and version, parse the header and check the file length; returns (header, sha256 state after
     the padding, header length). If the header or the length is wrong, the checksum decides which error is reported: a file
     whose checksum also fails is corrupt or truncated; one whose checksum holds was written wrong."""
+    start = f.read(len(MAGIC))
+    if start != MAGIC[: len(start)]:  # a file shorter than the magic is judged by what it has
+        raise KVFileError(f"{path}: not a .detkv KV snapshot (starts with {start!r})")
     if size < MIN_FILE_BYTES:
         raise KVFileError(f"{path}: truncated: {size} bytes, a .detkv file has at least {MIN_FILE_BYTES}; save it again")
-    prelude = f.read(PRELUDE.size)
-    magic, version, header_len = PRELUDE.unpack(prelude)
-    if magic != MAGIC:
-        raise KVFileError(f"{path}: not a .detkv KV snapshot (starts with {magic!r})")
+    prelude = start + f.read(PRELUDE.size - len(MAGIC))
+    _, version, header_len = PRELUDE.unpack(prelude)
     if version not in VERSIONS:
         raise KVFileError(
             f"{path}: .detkv format version {version}; this detinfer reads versions {', '.join(map(str, VERSIONS))}"
@@ -292,9 +293,7 @@ def _read_header(path: Path, f: BinaryIO, size: int) -> tuple[KVHeader, Any, int
         try:
             header = KVHeader.model_validate_json(head)
         except ValidationError as e:
-            err = e.errors()[0]
-            where = ".".join(str(x) for x in err["loc"]) or "header"
-            problem = f"invalid header: {where}: {err['msg']}"
+            problem = f"invalid header: {first_error(e)}"
     offset = _data_offset(header_len)
     if header is not None and header.version != version:
         problem, header = f"a version {version} file whose header is version {header.version}'s", None

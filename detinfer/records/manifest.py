@@ -31,7 +31,7 @@ from ..compute.constrain import Constraint
 from ..compute.kvcache import KV_QUANT_REASON, QUANTIZED_KV_TYPES
 from ..compute.numerics import NUMERICS_1
 from ..compute.sampling import Sampling, missing_fields
-from ..errors import KVTypeError, ManifestError
+from ..errors import KVTypeError, ManifestError, first_error
 from ..fileio import atomic_write_text, read_json
 
 SCHEMA_VERSION = 3
@@ -224,9 +224,7 @@ def parse_manifest(data: Any, path: Path) -> RunManifest:
     try:
         manifest = RunManifest.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"])
-        raise ManifestError(f"{path} is not a valid manifest: {loc}: {err['msg']} ({e.error_count()} error(s))") from None
+        raise ManifestError(f"{path} is not a valid manifest: {first_error(e)} ({e.error_count()} error(s))") from None
     for section in (manifest.prompt, manifest.output):
         if tokens_sha256(section.token_ids) != section.tokens_sha256:
             name = "prompt" if section is manifest.prompt else "output"

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from ..compute.constrain import Constraint
 from ..compute.kvcache import parse_kv_type
 from ..compute.sampling import Sampling, missing_fields
-from ..errors import InputError, ManifestError
+from ..errors import InputError, ManifestError, first_error, json_kind
 from ..fileio import read_json
 from .manifest import EngineRecord, RunManifest, parse_manifest
 from .session import SessionRecord, parse_session
@@ -113,6 +113,13 @@ def collect_sessions(paths: Iterable[str | os.PathLike]) -> list[Path]:
     return files
 
 
+def _is_script(data: dict) -> bool:
+    """A session script's shape: turns of messages, and none of what a record of a run has."""
+    turns = data.get("turns")
+    return (isinstance(turns, list) and bool(turns) and isinstance(turns[0], dict) and "messages" in turns[0]
+            and not {"schema_version", "model_sha256"} & data.keys())  # fmt: skip
+
+
 def read_record(path: str | os.PathLike, what: str = "record") -> Record:
     """Read, parse and check one record; ManifestError (one line, naming the file as ``what``) if it is unreadable,
     no kind of record, or invalid."""
@@ -123,7 +130,10 @@ def read_record(path: str | os.PathLike, what: str = "record") -> Record:
 def parse_record(data: Any, path: Path, what: str = "record") -> Record:
     """:func:`read_record` of ``data``, the JSON already parsed (with :func:`~detinfer.fileio.parse_json`) from ``path``."""
     if not isinstance(data, dict):
-        raise ManifestError(f"{path} is not a manifest: expected a JSON object")
+        raise ManifestError(f"{path} is not a {what}: the top level must be a JSON object, got {json_kind(data)}")
+    if _is_script(data):
+        raise ManifestError(f"{path} is a session script (turns to run), not a record of a run: run it with "
+                            f"`detinfer session run {path} --out session.json`, then re-execute the record it writes")  # fmt: skip
     if "turns" in data and "schema_version" in data:
         return Record(path, "session", parse_session(data, path))
     if "turns" in data:
@@ -143,9 +153,7 @@ def _validated(model: type, data: dict, path: Path, what: str) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(x) for x in err["loc"])
-        raise ManifestError(f"{path} is not a valid {what}: {where + ': ' if where else ''}{err['msg']}") from None
+        raise ManifestError(f"{path} is not a valid {what}: {first_error(e)}") from None
 
 
 def golden_settings(path: Path, record: RunStream) -> GoldenSettings:
@@ -161,9 +169,7 @@ def golden_settings(path: Path, record: RunStream) -> GoldenSettings:
     except KeyError as e:
         raise ManifestError(f"{path} is not a valid golden record: settings.{e.args[0]} is missing") from None
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"])
-        raise ManifestError(f"{path} is not a valid golden record: settings.{loc}: {err['msg']}") from None
+        raise ManifestError(f"{path} is not a valid golden record: {first_error(e, 'settings.')}") from None
     if not isinstance(chat, bool):
         raise ManifestError(f"{path} is not a valid golden record: settings.chat must be true or false, got {chat!r}")
     if constraint is not None:

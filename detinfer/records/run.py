@@ -5,6 +5,7 @@ This is the library API the CLI wraps; tests call it directly.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Callable, Generator
 
@@ -247,8 +248,9 @@ def first_difference(a: list, b: list) -> int | None:
 
 def excerpts(a, b, width: int = 80) -> tuple[str, str]:
     """Printable forms of two differing values, both cut to the same window of ``width`` characters that starts
-    20 characters before their first differing character ("..." marks a cut), so long lists show where they differ."""
-    sa, sb = str(a), str(b)
+    20 characters before their first differing character ("..." marks a cut), so long lists show where they differ;
+    text is quoted with JSON's escapes, so a newline cannot break a report's line."""
+    sa, sb = (json.dumps(x, ensure_ascii=False) if isinstance(x, str) else str(x) for x in (a, b))
     i = next((k for k, (x, y) in enumerate(zip(sa, sb)) if x != y), min(len(sa), len(sb)))
     start = max(0, i - 20)
 

@@ -24,7 +24,7 @@ from ..compute.kvcache import KVCache
 from ..compute.numerics import NUMERICS, NUMERICS_1
 from ..compute.prefix_cache import PrefixCache
 from ..compute.sampling import Sampling, SamplingOverrides
-from ..errors import InputError, ManifestError
+from ..errors import InputError, ManifestError, first_error
 from ..fileio import atomic_write_text, read_json
 from ..model.chat import BUILTIN_TEMPLATES, ChatTemplate
 from .machine import machine
@@ -205,8 +205,7 @@ def parse_script(data: Any, *, where: str = "session script") -> SessionScript:
     try:
         script = SessionScript.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        raise InputError(f"{where}: {'.'.join(str(x) for x in err['loc'])}: {err['msg']}") from None
+        raise InputError(f"{where}: {first_error(e)}") from None
     for turn in script.turns:
         Sampling.create(**effective_sampling(script.sampling, turn.sampling))  # reject bad values before running anything
     return script
@@ -378,8 +377,7 @@ def parse_session(data: Any, path: Path) -> SessionRecord:
 
 
 def _invalid_record(path: Path, e: ValidationError, prefix: str = "") -> ManifestError:
-    err = e.errors()[0]
-    return ManifestError(f"{path} is not a valid session record: {prefix}{'.'.join(str(x) for x in err['loc'])}: {err['msg']}")
+    return ManifestError(f"{path} is not a valid session record: {first_error(e, prefix)}")
 
 
 def run_session(

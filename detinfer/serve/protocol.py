@@ -388,8 +388,7 @@ async def read_json(request: Request, limit: int, timeout: float = BODY_TIMEOUT_
         raise ApiError(499, "the client disconnected while sending the body", code="client_disconnected") from None
     if size > limit:
         raise ApiError(413, f"request body of {size} bytes exceeds the limit of {limit}", code="body_too_large")
-    data = parse_json(bytes(body), lambda msg: ApiError(400, f"the body is not valid JSON: {msg}", code="invalid_json"),
-                      "request body", "body")  # fmt: skip
+    data = parse_json(bytes(body), lambda msg: ApiError(400, msg, code="invalid_json"), "request body")
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
     return data
