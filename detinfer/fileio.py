@@ -436,23 +436,25 @@ def check_output(path: str | os.PathLike, what: str) -> Path:
         raise InputError(f"{what} {path}: cannot write there ({e.strerror or e})") from None
     if st is not None and not stat.S_ISREG(st.st_mode):
         raise InputError(f"{what} {path} is {_kind(st.st_mode)}; detinfer writes only regular files or new paths")
-    check_output_dir(path.parent, what)
+    check_output_dir(path.parent, what, given=path)
     return path
 
 
-def check_output_dir(folder: str | os.PathLike, what: str) -> Path:
-    """``folder`` if files can be created in it (or in its nearest existing ancestor, when it does not exist yet);
-    InputError (one line) if it or an ancestor is not a directory or cannot be written."""
+def check_output_dir(folder: str | os.PathLike, what: str, *, given: str | os.PathLike | None = None) -> Path:
+    """``folder`` if files can be created in it (or in its nearest existing ancestor, when it does not exist yet:
+    the missing folders are created when the file is written); InputError (one line, naming ``given``, the path the
+    user passed, default ``folder``) if it or an ancestor is not a directory or cannot be written."""
     folder = Path(folder)
+    shown = folder if given is None else given
     existing = folder
     while not os.path.lexists(existing) and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise InputError(f"{what} {folder}: {existing} is not a directory")
+        raise InputError(f"{what} {shown}: {existing} is not a directory")
     try:
         fd, probe = tempfile.mkstemp(dir=existing, prefix=".detinfer-probe-")
     except OSError as e:
-        raise InputError(f"{what} {folder}: cannot create files in {existing} ({e.strerror or e})") from None
+        raise InputError(f"{what} {shown}: cannot create files in {existing} ({e.strerror or e})") from None
     os.close(fd)
     os.unlink(probe)
     return folder

@@ -383,6 +383,8 @@ def test_json_of_the_wrong_kind_says_what_it_is(home: Path, tmp_path: Path):
         r = cli(home, command, script)
         assert r.exit_code == 2 and "Traceback" not in r.output, r.output
         assert f"{script} is a session script (turns to run), not a record of a run: run it with `detinfer session run" in r.stdout, r.stdout
+    (tmp_path / "empty.json").write_text("{}")
+    one_error_line(cli(home, "run", "--manifest", tmp_path / "empty.json"), "empty.json is not a manifest: it has none of the keys of a run manifest")
     # control: the same turns with a record's schema_version are read as a record (and fail as one, not as a script)
     script.write_text(json.dumps({"schema_version": SCHEMA_VERSION, "turns": [{"messages": []}]}))
     r = cli(home, "replay", script)

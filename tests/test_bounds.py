@@ -152,6 +152,8 @@ def test_out_of_range_integers_are_bad_input_in_the_library_and_one_batch_line(h
     assert r.exit_code == 2 and "Traceback" not in r.output, r.output
     assert "line 1:" in r.output and "max_tokens" in r.output and "1 written" in r.output and "1 bad input" in r.output, r.output
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["ok.json"]
+    # a batch's runs cannot mismatch, so its progress counts none (verify's does: test_distributed)
+    assert "[2/2] ok: written (2 tokens, " in r.stderr and "mismatch" not in r.stderr and "ran 2/2 in this process" in r.stderr, r.stderr
 
 
 def test_resume_runs_a_damaged_manifest_again(home: Path, tiny_chat: Path, tmp_path: Path):

@@ -399,7 +399,7 @@ def test_outputs_never_replace_special_files(home: Path, tiny_chat: Path, tmp_pa
     under_file.write_text("x")
     folder = tmp_path / "folder"
     folder.mkdir()
-    cases = {fifo: "a FIFO", link: "a symbolic link", folder: "a directory", under_file / "run.json": "not a directory",
+    cases = {fifo: "a FIFO", link: "a symbolic link", folder: "a directory", under_file / "run.json": f"{under_file / 'run.json'}: {under_file} is not a directory",
              Path("/proc/detinfer-test/run.json"): "/proc"}  # fmt: skip
     for out, needle in cases.items():
         r = cli(home, "run", "--model", tiny_chat, "--prompt", "hi", "--max-tokens", "1", "--ctx", "64", "--out", out)
@@ -407,7 +407,7 @@ def test_outputs_never_replace_special_files(home: Path, tiny_chat: Path, tmp_pa
     assert fifo.is_fifo() and link.is_symlink() and target.read_text() == "keep"
     r = cli(home, "run", "--model", tiny_chat, "--prompt", "hi", "--max-tokens", "1", "--ctx", "64", "--threads", "1",
             "--out", tmp_path / "new" / "run.json", "--quiet")  # fmt: skip
-    assert r.exit_code == 0 and (tmp_path / "new" / "run.json").is_file()  # negative control: a new path is fine
+    assert r.exit_code == 0 and (tmp_path / "new" / "run.json").is_file()  # negative control: a new path is fine (its folder made)
 
 
 def _file_size_limit(limit: int):

@@ -306,8 +306,8 @@ def load(model: str | os.PathLike | None = None, *, n_ctx: int = 4096, threads: 
     """Load a model: a registry name (default ``smollm2-135m-instruct-q4_1``; it must have been downloaded with
     ``detinfer pull NAME``, else PullError) or a path to a ``.gguf`` file.
 
-    n_ctx: KV cache positions (at most the model's context length); threads: numba threads (default all cores;
-    never changes a result); kv_type: "f32" or "f16" (quantized caches are refused: KVTypeError);
+    n_ctx: KV cache positions (at most the model's context length); threads: numba threads (default as many cores as are free,
+    chosen again as load changes; never changes a result); kv_type: "f32" or "f16" (quantized caches are refused: KVTypeError);
     chat_template: a built-in format ("gemma", "chatml") or a jinja file, for a model without its own;
     rederive: use no file derived from the model (GGUF index, tokenizer caches, repacked weights): all of it is
     computed from the GGUF alone and nothing is kept (same bytes, a slower load; numba's JIT cache is the caller's:

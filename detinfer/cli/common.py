@@ -192,9 +192,10 @@ def streamer(quiet: bool) -> Callable[[Any], None]:
 
 
 def fan_out(verb: str, task, payloads: list, failed, *, ray: Optional[str], threads: Optional[int], actors: Optional[int],
-            on_result=None, rederive: bool = False, local=None) -> list:  # fmt: skip
-    """Run ``task`` over ``payloads`` here or on Ray (integrations.distributed.fan_out) with progress on stderr;
-    results in input order. Ctrl-C stops the run (exit 130) and keeps what was already written."""
+            on_result=None, rederive: bool = False, local=None, compares: bool = True) -> list:  # fmt: skip
+    """Run ``task`` over ``payloads`` here or on Ray (integrations.distributed.fan_out) with progress on stderr
+    (``compares``: the tasks re-execute records, so mismatches are counted); results in input order. Ctrl-C stops
+    the run (exit 130) and keeps what was already written."""
     from ..integrations.batch import ItemProgress
     from ..integrations.distributed import check_address, check_rederive, import_ray
     from ..integrations.distributed import fan_out as run_fan_out
@@ -211,7 +212,7 @@ def fan_out(verb: str, task, payloads: list, failed, *, ray: Optional[str], thre
     except DetinferError as e:
         fail(e)
     where = "in this process" if ray is None else f"on Ray ({ray}), {threads or 1} thread(s) per actor"
-    progress = ItemProgress(err, verb, len(payloads), where)
+    progress = ItemProgress(err, verb, len(payloads), where, compares)
 
     def done(i: int, result) -> None:
         if on_result is not None:

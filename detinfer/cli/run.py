@@ -201,7 +201,7 @@ def batch(
     except DetinferError as e:
         fail(e)
     ran = fan_out("ran", batch_task, todo, batch_failed, ray=ray, threads=threads, actors=actors, on_result=lambda i, r: writer.write(r),
-                  rederive=rederive, local=partial(batch_lockstep, batch=lockstep))  # fmt: skip
+                  rederive=rederive, local=partial(batch_lockstep, batch=lockstep), compares=False)  # fmt: skip
     results = sorted(ran + skipped, key=lambda r: r.line)
     for r in results:
         if r.status == BAD_INPUT:

@@ -330,9 +330,10 @@ def run_local(task: Callable[[WorkerState, Any], R], payloads: Sequence[Any], on
 class ItemProgress:
     """Items as they finish, on stderr: a rich bar on a terminal (done/total, mismatches so far, tokens/s), one
     plain line per item elsewhere (CI logs), and a summary line at the end. A result needs ``status``, ``steps``
-    and a name (``path`` or ``id``)."""
+    and a name (``path`` or ``id``). ``compares``: the items are re-executions, which can mismatch (a batch's runs
+    cannot: no mismatch count is shown)."""
 
-    def __init__(self, console, verb: str, total: int, where: str):
+    def __init__(self, console, verb: str, total: int, where: str, compares: bool = True):
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,
@@ -341,13 +342,13 @@ class ItemProgress:
         )
         from rich.progress import Progress as Bar
 
-        self.console, self.verb, self.total, self.where = console, verb, total, where
+        self.console, self.verb, self.total, self.where, self.compares = console, verb, total, where, compares
         self.done = self.mismatches = self.bad = self.tokens = 0
         self.t0 = time.perf_counter()
         self.bar = None
         if console.is_terminal:
             self.bar = Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                           TextColumn("{task.fields[mismatches]} mismatches, {task.fields[rate]} tok/s"),
+                           TextColumn("{task.fields[mismatches]} mismatches, " * compares + "{task.fields[rate]} tok/s"),
                            TimeElapsedColumn(), console=console, transient=True)
             self.task = self.bar.add_task(f"{verb} {where}", total=total, mismatches=0, rate="0")
             self.bar.start()
@@ -366,8 +367,9 @@ class ItemProgress:
             self.bar.update(self.task, completed=self.done, mismatches=self.mismatches, rate=f"{self.rate():.1f}")
         else:
             name = getattr(result, "path", None) or result.id
+            so_far = f"{self.mismatches} mismatches so far, " * self.compares
             self.console.print(f"[{self.done}/{self.total}] {escape(str(name))}: {result.status} ({result.steps} tokens, "
-                               f"{self.mismatches} mismatches so far, {self.rate():.1f} tok/s)", soft_wrap=True, markup=False)
+                               f"{so_far}{self.rate():.1f} tok/s)", soft_wrap=True, markup=False)  # fmt: skip
 
     def close(self, interrupted: bool = False, summary: bool = True) -> None:
         if self.bar is not None:
@@ -377,7 +379,8 @@ class ItemProgress:
         seconds = time.perf_counter() - self.t0
         head = "interrupted: " if interrupted else ""
         self.console.print(f"{head}{self.verb} {self.done}/{self.total} {self.where} in {seconds:.1f} s: "
-                           f"{self.mismatches} mismatch, {self.bad} bad input; {self.tokens} tokens, {self.rate():.1f} tok/s",
+                           f"{f'{self.mismatches} mismatch, ' * self.compares}{self.bad} bad input; {self.tokens} tokens, "
+                           f"{self.rate():.1f} tok/s",
                            soft_wrap=True, markup=False)
 
 

@@ -211,6 +211,8 @@ def parse_manifest(data: Any, path: Path) -> RunManifest:
     if not isinstance(data, dict):
         raise ManifestError(f"{path} is not a manifest: expected a JSON object")
     version = data.get("schema_version")
+    if "schema_version" not in data:
+        raise ManifestError(f"{path} has no schema_version: it is not a detinfer run manifest")
     if version not in READABLE_SCHEMAS:
         raise ManifestError(
             f"{path} has schema_version {version!r}; this detinfer (schema {SCHEMA_VERSION}) cannot read it"

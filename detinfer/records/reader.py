@@ -146,6 +146,9 @@ def parse_record(data: Any, path: Path, what: str = "record") -> Record:
     if "output_token_ids" in data and "schema_version" not in data:
         stream = _validated(RunStream, data, path, "golden record")
         return Record(path, "golden", stream, golden_settings(path, stream))
+    if "schema_version" not in data:
+        raise ManifestError(f"{path} is not a {what}: it has none of the keys of a run manifest (schema_version), a golden "
+                            "stream (output_token_ids) or a session (turns)")  # fmt: skip
     return Record(path, "manifest", parse_manifest(data, path))
 
 
