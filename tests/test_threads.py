@@ -92,6 +92,57 @@ def test_a_process_that_ran_while_this_one_paused_takes_no_core(engine, monkeypa
         set_threads(None)
 
 
+@pytest.mark.parametrize("busy", [True, False])
+def test_a_pass_after_a_pause_starts_from_what_runs_now(engine, busy):
+    """After a pause the count comes from what runs at that instant: a busy loop that started while this thread
+    waited takes its core from the first pass on. Before, the count from before the pause ran that whole pass (a
+    server's first request, a benchmark's next cell: make bench-busy's first busy prefill ran at 0.5x). Control:
+    nothing started, so every core."""
+    limit = numba.config.NUMBA_NUM_THREADS
+    if limit < 2:
+        pytest.skip("one core: there is no count to choose")
+    ids = engine.tokenizer.encode("The capital of France is Paris.")
+    set_threads(None)
+    loop = None
+    try:
+        _forward(engine, ids, 2 * threads.WINDOW_S)
+        assert numba.get_num_threads() == limit, "an idle machine: every core"
+        loop = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+        time.sleep(0.6)  # this thread's pause; one short pass after it closes no window, so its count stays
+        engine.forward(ids, engine.new_cache())
+        assert numba.get_num_threads() == (limit - 1 if busy else limit)
+    finally:
+        if loop is not None:
+            loop.kill()
+            loop.wait()
+        set_threads(None)
+
+
+@pytest.mark.parametrize("resample_s, expected", [(0.1, 0), (0.0, -1)])
+def test_a_process_that_stops_as_this_one_starts_takes_no_core(engine, monkeypatch, resample_s, expected):
+    """Another detinfer taking turns with this one is still runnable for a few ms after its turn (its OpenMP
+    threads spin ~10 ms): the runnable threads are counted again RESAMPLE_S later, and a process that has stopped
+    by then takes no core. Control: read again at once, it is still running and takes one."""
+    limit = numba.config.NUMBA_NUM_THREADS
+    if limit < 2:
+        pytest.skip("one core: there is no count to choose")
+    monkeypatch.setattr(threads, "RESAMPLE_S", resample_s)
+    ids = engine.tokenizer.encode("The capital of France is Paris.")
+    set_threads(None)
+    spin = "import sys, time\nprint(flush=True)\nend = time.monotonic() + 0.5\nwhile time.monotonic() < end: pass\ntime.sleep(60)"
+    _forward(engine, ids, 2 * threads.WINDOW_S)
+    peer = subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE)
+    try:
+        peer.stdout.readline()  # it spins from now for 0.5 s, then sleeps
+        time.sleep(0.46)  # this thread's pause ends 40 ms before the peer stops
+        engine.forward(ids, engine.new_cache())
+        assert numba.get_num_threads() == limit + expected
+    finally:
+        peer.kill()
+        peer.wait()
+        set_threads(None)
+
+
 def test_without_proc_stat_the_default_is_every_core(monkeypatch):
     monkeypatch.setattr(threads, "_machine_busy_s", lambda: None)
     assert set_threads(None) == numba.config.NUMBA_NUM_THREADS

@@ -9,7 +9,10 @@ process's own (its spinning threads included) is the load of everyone else; the 
 that load leaves, rounded down (a core more than three-quarters free counts), at least 1, at most the cores numba
 started with. A pause of this thread between forward passes ends a window uncounted: another process that ran
 while this one waited (for the next request; for its turn in a benchmark) took no core from it, and counting it
-made each of two detinfer processes taking turns on an idle machine run at 1 thread. The count never changes a
+made each of two detinfer processes taking turns on an idle machine run at 1 thread. The count a pass after a
+pause starts with is chosen from what runs at that instant instead (/proc/loadavg's runnable threads less this
+process's own), not kept from before the pause: a busy loop that started while a server waited for a request, or
+a benchmark's next cell, made the whole first prefill run on a taken core. The count never changes a
 result (kernels parallelise over independent outputs only); it is chosen per calling thread, as numba's count
 is. Where /proc/stat cannot be read, all cores are used.
 
@@ -39,6 +42,7 @@ FIRST_WINDOW_S = 0.05  # a process's first choice, made before its first forward
 STALE_S = 1.0  # a window this old spans a pause of this thread: others' load then says nothing of now; start anew
 FREE_FRACTION = 0.75  # a core whose other load is below a quarter of it counts as free
 PAUSE_S = 0.1  # this long between two forward passes of a thread (longer than any step's sampling) is a pause
+RESAMPLE_S = 0.012  # after a pause that ends beside runnable threads, when to count them again (libgomp's spin: ~10 ms)
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 # per calling thread: auto (bool), window start (time, machine busy s, own cpu s), end of its last forward pass
@@ -67,6 +71,36 @@ def _machine_busy_s() -> float | None:
 def _own_cpu_s() -> float:
     t = os.times()
     return t.user + t.system
+
+
+def _runnable_others() -> int | None:
+    """Threads of other processes runnable at this instant: the running count of /proc/loadavg (runnable tasks,
+    this thread included) less this process's threads in state R, or None where either cannot be read."""
+    try:
+        with open("/proc/loadavg", "rb") as f:
+            running = int(f.read().split()[3].split(b"/")[0])
+        own = 0
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                    own += f.read().rsplit(b")", 1)[1].split()[0] == b"R"
+            except OSError:  # a thread that ended meanwhile
+                pass
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0, running - max(own, 1))
+
+
+def _runnable_now() -> int | None:
+    """:func:`_runnable_others`, read again after RESAMPLE_S when it is not 0 (the fewer of the two): a busy
+    process is runnable in both reads; a process that has just stopped (another detinfer taking turns with this
+    one: its OpenMP threads spin for ~5-10 ms after their last region) is not in the second."""
+    n = _runnable_others()
+    if n:
+        time.sleep(RESAMPLE_S)
+        again = _runnable_others()
+        n = None if again is None else min(n, again)
+    return n
 
 
 def free_cores(busy_others_s: float, window_s: float, n_cores: int) -> int:
@@ -129,10 +163,15 @@ def adapt_threads(close: bool = False) -> None:
 
 @contextmanager
 def forward_pass() -> Iterator[None]:
-    """Around each forward chunk: :func:`adapt_threads` before it, after dropping the window if this thread paused
-    for more than PAUSE_S since its last pass (what ran meanwhile did not compete with it)."""
+    """Around each forward chunk: :func:`adapt_threads` before it. If this thread paused for more than PAUSE_S
+    since its last pass, the window is dropped (what ran meanwhile did not compete with it) and, with automatic
+    threads, the count is what the threads runnable now leave free (:func:`_runnable_now`)."""
+    global _last_choice
     if time.monotonic() - getattr(_local, "last_end", math.inf) > PAUSE_S:
         _local.window = None
+        if getattr(_local, "auto", False) and (others := _runnable_now()) is not None:
+            _last_choice = max(1, numba.config.NUMBA_NUM_THREADS - others)
+            numba.set_num_threads(_last_choice)
     adapt_threads()
     if numba.get_num_threads() > 1:
         _one_pool()
