@@ -401,9 +401,13 @@ def parse_json(text: str | bytes, error: type[Exception], what: str, where: str 
     except _JSONLimit as e:
         raise error(f"{subject} {e}") from None
     except json.JSONDecodeError as e:
+        if not e.doc.strip():
+            raise error(f"{invalid}: {'it is empty' if not e.doc else 'it holds only white space'}") from None
         at = f"line {e.lineno} column {e.colno}" if "\n" in e.doc.strip() else f"column {e.colno}"
-        ended = e.pos >= len(e.doc.rstrip())  # it stopped where the text does: the rest may be missing
-        raise error(f"{invalid}: invalid JSON at {at} ({e.msg}){'; it may be truncated' * ended}") from None
+        # parsing stopped where the text does, or in a string never closed: the rest may be missing
+        ended = e.pos >= len(e.doc.rstrip()) or e.msg.startswith("Unterminated string")
+        msg = e.msg.removesuffix(" starting at")
+        raise error(f"{invalid}: invalid JSON at {at} ({msg}){'; it may be truncated' * ended}") from None
     except UnicodeDecodeError as e:
         raise error(f"{invalid}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
     except ValueError as e:  # an integer past Python's limit of 4,300 digits

@@ -247,7 +247,7 @@ def test_chat_without_template(home: Path, tiny: Path, tmp_path: Path):
         ({"role": "user", "content": "hi"}, "expected a list"),
         ([{"content": "hi"}], "message 0 has no 'role'"),
         ([{"role": "user", "content": "hi"}, {"role": "user"}], "message 1 has no 'content'"),
-        ([{"role": "user", "content": 3}], "'content' of type int"),
+        ([{"role": "user", "content": 3}], "'content' that is a number"),
         ([], "empty"),
         ("[{", "invalid JSON at column 3 (Expecting property name enclosed in double quotes); it may be truncated"),
     ],
@@ -383,6 +383,16 @@ def test_json_of_the_wrong_kind_says_what_it_is(home: Path, tmp_path: Path):
         r = cli(home, command, script)
         assert r.exit_code == 2 and "Traceback" not in r.output, r.output
         assert f"{script} is a session script (turns to run), not a record of a run: run it with `detinfer session run" in r.stdout, r.stdout
+    (tmp_path / "blank.json").write_text("")
+    (tmp_path / "cut.json").write_text('{"schema_version": 3, "prompt": {"text": "The capi')
+    for name, said in (("blank.json", "blank.json is not a JSON manifest: it is empty"),
+                       ("cut.json", "cut.json is not a JSON manifest: invalid JSON at column 42 (Unterminated string); it may be truncated")):
+        one_error_line(cli(home, "run", "--manifest", tmp_path / name), said)
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({"schema_version": SCHEMA_VERSION, "prompt": {}}, indent=2))  # one document, many lines
+    one_error_line(cli(home, "session", "run", manifest), "manifest.json is a run manifest, not a session script")
+    one_error_line(cli(home, "batch", manifest, "--out-dir", tmp_path / "out"), "is one JSON document over several lines, not JSONL")
+    assert not (tmp_path / "out").exists()
     (tmp_path / "empty.json").write_text("{}")
     one_error_line(cli(home, "run", "--manifest", tmp_path / "empty.json"), "empty.json is not a manifest: it has none of the keys of a run manifest")
     # control: the same turns with a record's schema_version are read as a record (and fail as one, not as a script)

@@ -154,8 +154,8 @@ def test_no_clock_in_templates():
         ([{"role": "user", "content": "a"}, "b"], "message 1 is a str"),
         ([{"content": "a"}], "message 0 has no 'role'"),
         ([{"role": "user"}], "message 0 has no 'content'"),
-        ([USER[0], {"role": "user", "content": None}], "message 1 has a 'content' of type NoneType"),
-        ([{"role": 3, "content": "a"}], "message 0 has a 'role' of type int"),
+        ([USER[0], {"role": "user", "content": None}], "message 1 has a 'content' that is null"),
+        ([{"role": 3, "content": "a"}], "message 0 has a 'role' that is a number"),
     ],
 )
 def test_bad_messages_raise_input_error(template: ChatTemplate, messages, match: str):

@@ -301,7 +301,7 @@ def test_unedited_session_record_replays(home, tiny_chat, session_record, tmp_pa
     f.write_text(json.dumps(session_record[0]))
     r = cli(home, "replay", f, "--model", tiny_chat, "--threads", "1")
     assert r.exit_code == 0, r.output
-    assert re.search(r"^1 file, 2 turns: 1 match in \d+\.\d s$", r.stdout, re.M), r.stdout  # the summary line
+    assert re.search(r"^1 file \(2 turns\): 1 match in \d+\.\d s$", r.stdout, re.M), r.stdout  # the summary line
 
 
 def test_resealed_manifest_with_huge_token_id_is_bad_input(home, tiny_chat, file_template_manifest, tmp_path):

@@ -103,7 +103,8 @@ def rerun(path: str | os.PathLike, *, model: str | os.PathLike | None = None, th
     check_speculate(speculate)
     record = read_record(path, "manifest")
     if record.kind != "manifest":
-        raise InputError(f"{path} is a {record.kind}, not a run manifest; re-execute it with detinfer verify")
+        raise InputError(f"{path} is a {record.kind}, not a run manifest; re-execute it with detinfer "
+                         f"{'replay' if record.kind.startswith('session') else 'verify'}")
     engines = EngineCache(None if model is None else str(model), rederive=rederive)
     engine = engines.for_record(record)
     (warm_up or (lambda compile_: compile_()))(engine.warm_up)

@@ -61,7 +61,7 @@ class _Group(_Help, typer.core.TyperGroup):
         except _CLICK_ERROR as e:
             if type(e).__name__ != "NoArgsIsHelpError":  # that one's help was shown: it is the answer
                 ctx = getattr(e, "ctx", None)
-                see = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+                see = f" (see `{ctx.command_path if ctx is not None else 'detinfer'} --help`)"
                 err.print(f"[bold red]error:[/] {escape(e.format_message().rstrip('.'))}{escape(see)}", soft_wrap=True)
             sys.exit(e.exit_code)
         except typer.Abort:

@@ -54,7 +54,7 @@ JsonOpt = Annotated[bool, flag("--json", help="Machine-readable output: one JSON
 def _summary_line(outcomes: list, seconds: float, fanned_out: bool, what: str = "") -> None:
     """``12 files: 11 match, 1 mismatch in 4.1 s``: the tally, the whole re-execution's wall time (``seconds``), and
     whether files ran beside each other so that their own times overlap (in lockstep, or ``fanned_out`` over Ray
-    actors); ``what``: more about the files (", 149 turns")."""
+    actors); ``what``: more about the files (" (149 turns)")."""
     counts = api.summary(outcomes)
     tally = ", ".join(f"{n} {s}" for s in (api.MATCH, api.MISMATCH, api.BAD_INPUT) if (n := counts[s.replace(" ", "_")]))
     ran = sum(r.status != api.BAD_INPUT for r in outcomes)
@@ -218,7 +218,7 @@ def replay(
                           detail)  # fmt: skip
         out.print(table)
         turns = sum(len(r.turns) for r in outcomes)
-        _summary_line(outcomes, time.perf_counter() - t0, ray is not None, f", {turns} turn{'s' * (turns != 1)}" if turns else "")
+        _summary_line(outcomes, time.perf_counter() - t0, ray is not None, f" ({turns} turn{'s' * (turns != 1)})" if turns else "")
         _print_reports([r for r in outcomes if r.status == api.BAD_INPUT])
     raise typer.Exit(api.exit_code(outcomes))
 

@@ -120,9 +120,13 @@ class BatchResult:
 def read_batch(path: Path, *, model: str | None = None, n_ctx: int = 4096, kv_type: str = "f32",
                rederive: bool = False) -> list[BatchItem]:  # fmt: skip
     """Parse a JSONL batch file (blank lines are skipped). A line that is not JSON or not a valid run is kept as a
-    bad-input item, so the other lines still run. Raises InputError for an unreadable file, no lines, or an id
-    used twice (naming both line numbers)."""
+    bad-input item, so the other lines still run. Raises InputError for an unreadable file, no lines, a file that
+    is one JSON document over several lines (a manifest, say: not JSONL), or an id used twice (naming both line
+    numbers)."""
     text = read_input_text(path, InputError, "batch file")
+    if "\n" in text.strip() and _one_document(text):
+        raise InputError(f"{path} is one JSON document over several lines, not JSONL: a batch file holds one JSON object "
+                         "per line, each with an id and a prompt")  # fmt: skip
     items: list[BatchItem] = []
     seen: dict[str, int] = {}
     for n, raw in enumerate(text.splitlines(), start=1):
@@ -146,6 +150,15 @@ def read_batch(path: Path, *, model: str | None = None, n_ctx: int = 4096, kv_ty
     if not items:
         raise InputError(f"{path} has no batch lines; write one JSON object per line with an id and a prompt")
     return items
+
+
+def _one_document(text: str) -> bool:
+    """Whether ``text`` parses as a single JSON value (its first line alone does not, or it would be one line)."""
+    try:
+        parse_json(text, InputError, "batch file")
+    except InputError:
+        return False
+    return True
 
 
 def prepare_batch(path: Path, out_dir: Path, *, resume: bool = False, model: str | None = None, n_ctx: int = 4096,

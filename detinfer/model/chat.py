@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import jinja2
 
-from ..errors import InputError, TemplateError
+from ..errors import InputError, TemplateError, json_kind
 from ..fileio import parse_json, read_input, read_input_text, sha256_bytes, utf8_error
 from .gguf_file import ModelFile
 from .sandbox import MAX_RENDER_CHARS, environment, render_budget
@@ -42,18 +42,17 @@ def validate_messages(messages: Any, *, where: str = "messages") -> list[dict[st
     and the index of the first bad message (a role or content that is not valid UTF-8 included).
     """
     if not isinstance(messages, list):
-        raise InputError(f"{where}: expected a list of {{role, content}} objects, got {type(messages).__name__}")
+        raise InputError(f"{where}: expected a list of {{role, content}} objects, got {json_kind(messages)}")
     if not messages:
         raise InputError(f"{where}: the list of messages is empty")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise InputError(f"{where}: message {i} is a {type(m).__name__}, expected an object with role and content")
+            raise InputError(f"{where}: message {i} is {json_kind(m)}, expected an object with role and content")
         for key in ("role", "content"):
             if key not in m:
                 raise InputError(f"{where}: message {i} has no {key!r}")
             if not isinstance(m[key], str):
-                kind = type(m[key]).__name__
-                raise InputError(f"{where}: message {i} has a {key!r} of type {kind}, expected a string")
+                raise InputError(f"{where}: message {i} has a {key!r} that is {json_kind(m[key])}, expected a string")
             if (bad := utf8_error(m[key])) is not None:
                 raise InputError(f"{where}: message {i}'s {key!r} is not valid UTF-8: {bad}")
     return messages

@@ -201,7 +201,12 @@ def load_script(path: str | Path) -> SessionScript:
 
 
 def parse_script(data: Any, *, where: str = "session script") -> SessionScript:
-    """Validate a session script's JSON data; raises InputError naming ``where`` and the bad field or value."""
+    """Validate a session script's JSON data; raises InputError naming ``where`` and the bad field or value (a
+    record of a run given instead is named as one)."""
+    if isinstance(data, dict) and "schema_version" in data:
+        kind = "a recorded session" if "turns" in data else "a run manifest"
+        raise InputError(f"{where} is {kind}, not a session script: re-execute it with detinfer "
+                         f"{'replay' if 'turns' in data else 'verify'}")  # fmt: skip
     try:
         script = SessionScript.model_validate(data)
     except ValidationError as e:
