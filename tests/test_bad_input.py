@@ -393,6 +393,15 @@ def test_json_of_the_wrong_kind_says_what_it_is(home: Path, tmp_path: Path):
     one_error_line(cli(home, "session", "run", manifest), "manifest.json is a run manifest, not a session script")
     one_error_line(cli(home, "batch", manifest, "--out-dir", tmp_path / "out"), "is one JSON document over several lines, not JSONL")
     assert not (tmp_path / "out").exists()
+    (tmp_path / "bad.jsonl").write_text("[1]\n")
+    r = cli(home, "batch", tmp_path / "bad.jsonl", "--out-dir", tmp_path / "out")
+    assert r.exit_code == 2 and "0 written, 0 skipped (--resume), 1 bad input" in r.stdout and "manifests in" not in r.stdout, r.stdout
+    snapshot = tmp_path / "turn-001.detkv"
+    snapshot.write_bytes(b"DETKV\0\0\0" + bytes(range(200)))  # binary: not JSON, and said to be a snapshot
+    r = cli(home, "verify", snapshot)
+    assert r.exit_code == 2 and "is a KV cache snapshot (.detkv), not a record: inspect it with detinfer kv inspect" in r.stdout, r.stdout
+    (tmp_path / "zero.detkv").write_bytes(b"")
+    one_error_line(cli(home, "kv", "inspect", tmp_path / "zero.detkv"), "zero.detkv: empty (0 bytes), not a .detkv KV snapshot")
     (tmp_path / "empty.json").write_text("{}")
     one_error_line(cli(home, "run", "--manifest", tmp_path / "empty.json"), "empty.json is not a manifest: it has none of the keys of a run manifest")
     # control: the same turns with a record's schema_version are read as a record (and fail as one, not as a script)

@@ -207,6 +207,7 @@ def batch(
         if r.status == BAD_INPUT:
             out.print(f"line {r.line}: {escape(r.message)}", soft_wrap=True)
     bad = sum(r.status == BAD_INPUT for r in results)
-    out.print(f"batch {escape(str(batch_file))}: {len(ran) - bad} written, {len(skipped)} skipped (--resume), {bad} bad input; "
-              f"manifests in {escape(str(out_dir))}", soft_wrap=True)  # fmt: skip
+    where = f"; manifests in {escape(str(out_dir))}" if len(results) > bad else ""  # none written: no folder to name
+    out.print(f"batch {escape(str(batch_file))}: {len(ran) - bad} written, {len(skipped)} skipped (--resume), {bad} bad input{where}",
+              soft_wrap=True)  # fmt: skip
     raise typer.Exit(2 if bad else 0)

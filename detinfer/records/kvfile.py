@@ -272,6 +272,8 @@ def _read_header(path: Path, f: BinaryIO, size: int) -> tuple[KVHeader, Any, int
     """Check magic and version, parse the header and check the file length; returns (header, sha256 state after
     the padding, header length). If the header or the length is wrong, the checksum decides which error is reported: a file
     whose checksum also fails is corrupt or truncated; one whose checksum holds was written wrong."""
+    if size == 0:
+        raise KVFileError(f"{path}: empty (0 bytes), not a .detkv KV snapshot; save it again")
     start = f.read(len(MAGIC))
     if start != MAGIC[: len(start)]:  # a file shorter than the magic is judged by what it has
         raise KVFileError(f"{path}: not a .detkv KV snapshot (starts with {start!r})")

@@ -20,6 +20,7 @@ from ..compute.kvcache import parse_kv_type
 from ..compute.sampling import Sampling, missing_fields
 from ..errors import InputError, ManifestError, first_error, json_kind
 from ..fileio import read_json
+from .kvfile import MAGIC as KV_MAGIC
 from .manifest import EngineRecord, RunManifest, parse_manifest
 from .session import SessionRecord, parse_session
 from .tokenstream import RunStream, SessionStream
@@ -124,7 +125,16 @@ def read_record(path: str | os.PathLike, what: str = "record") -> Record:
     """Read, parse and check one record; ManifestError (one line, naming the file as ``what``) if it is unreadable,
     no kind of record, or invalid."""
     path = Path(path)
-    return parse_record(read_json(path, ManifestError, what), path, what)
+    try:
+        data = read_json(path, ManifestError, what)
+    except ManifestError:
+        if path.is_file():  # a regular file (a FIFO is never opened twice)
+            with open(path, "rb") as f:
+                if f.read(len(KV_MAGIC)) == KV_MAGIC:
+                    raise ManifestError(f"{path} is a KV cache snapshot (.detkv), not a {what}: inspect it with "
+                                        "detinfer kv inspect") from None  # fmt: skip
+        raise
+    return parse_record(data, path, what)
 
 
 def parse_record(data: Any, path: Path, what: str = "record") -> Record:
