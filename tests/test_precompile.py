@@ -22,7 +22,7 @@ PROBE = r"""
 import hashlib, json, sys
 import numpy as np
 import detinfer
-from detinfer.compute import engine as engine_module, precompile
+from detinfer.compute import engine as engine_module, kernels, precompile
 if sys.argv[2] == "crash":  # the helper exits at once, having compiled nothing
     import subprocess, types
     crashed = lambda args, **kw: subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"], **kw)
@@ -36,13 +36,16 @@ ids = llm.engine.tokenizer.encode("The capital of France is Paris, and the capit
 logits = llm.engine.forward(ids, llm.engine.new_cache(), all_logits=True, chunk_size=8)
 result = llm.complete("Tell me a story.", max_tokens=8, temperature=0.8, top_p=0.9, seed=5)
 s = shared[0]
+cfg = llm.engine.config
+rope = all(np.array_equal(t, r) for base, tables in llm.engine._rope_tables.items()
+           for t, r in zip(tables, kernels.rope_table(llm.engine.n_ctx, cfg.n_rot, base)))
 counts = {}
 for name in json.loads(sys.argv[3]) or s.helper:
     module, _, qualname = name.rpartition(".")
     d = getattr(sys.modules[module], qualname)
     sigs = set(d.stats.cache_hits) | set(d.stats.cache_misses)
     counts[name] = {str(sig): [d.stats.cache_hits[sig], d.stats.cache_misses[sig]] for sig in sigs}
-print(json.dumps({"here": s.here, "helper": s.helper, "merged": s.merged, "problem": s.problem, "counts": counts,
+print(json.dumps({"here": s.here, "helper": s.helper, "merged": s.merged, "problem": s.problem, "counts": counts, "rope": rope,
                   "logits": hashlib.sha256(logits.tobytes()).hexdigest(), "tokens": result.tokens,
                   "kv": result.manifest.output.kv_sha256}))
 """
@@ -72,6 +75,10 @@ def test_the_helpers_kernels_load_from_its_files_and_a_failed_helper_changes_no_
     assert alone["problem"] == "the compile helper stopped: exit code 3" and not alone["merged"], alone["problem"]
     assert all(alone["counts"][name][sig][1] >= 1 for name, sig in loaded), alone["counts"]
     assert {k: shared[k] for k in ("logits", "tokens", "kv")} == {k: alone[k] for k in ("logits", "tokens", "kv")}
+    # the RoPE tables are filled at the first forward pass, so their kernel compiled in the shared phase, after a
+    # dry run that wrote nothing into them; the warm-up filled them anew (else they would hold unwritten memory)
+    assert "detinfer.compute.kernels.rope_fill" in shared["here"] + shared["helper"], shared
+    assert shared["rope"] and alone["rope"]
 
 
 def test_the_dry_runs_numpy_steps_over_unwritten_arrays_warn_of_nothing():
@@ -97,3 +104,4 @@ def test_the_dry_runs_numpy_steps_over_unwritten_arrays_warn_of_nothing():
         x = np.full(4, 3e38, np.float32)
         x *= np.float32(25.3)
     assert [w.category for w in plain] == [RuntimeWarning]
+

@@ -150,20 +150,23 @@ def test_without_proc_stat_the_default_is_every_core(monkeypatch):
     assert numba.get_num_threads() == numba.config.NUMBA_NUM_THREADS
 
 
-def test_the_first_automatic_choice_is_made_once(monkeypatch):
-    """A process's first automatic count comes from one short window, and later calls start from it: before, that
-    window was never closed, so every ``set_threads(None)`` (four in a ``detinfer run``) waited FIRST_WINDOW_S again."""
-    if numba.config.NUMBA_NUM_THREADS < 2:
+def test_the_first_automatic_choice_is_made_once_from_what_runs_now(monkeypatch):
+    """A process's first automatic count is what the threads runnable now leave free, read once and without waiting
+    (it was a 50 ms accounting window, a twentieth of a warm start), and later calls start from it: before, every
+    ``set_threads(None)`` (four in a ``detinfer run``) chose again."""
+    limit = numba.config.NUMBA_NUM_THREADS
+    if limit < 2:
         pytest.skip("one core: there is no count to choose")
-    sleeps = []
-    clock = SimpleNamespace(monotonic=time.monotonic, sleep=lambda s: (sleeps.append(s), time.sleep(s)))
-    monkeypatch.setattr(threads, "time", clock)
+    reads, sleeps = [], []
+    monkeypatch.setattr(threads, "_runnable_now", lambda: reads.append(1) or 1)  # one other thread runnable
+    monkeypatch.setattr(threads, "time", SimpleNamespace(monotonic=time.monotonic, sleep=sleeps.append))
     monkeypatch.setattr(threads, "_last_choice", None)
     try:
         first = set_threads(None)
-        assert sleeps == [threads.FIRST_WINDOW_S] and threads._last_choice == first == numba.get_num_threads()
-        assert set_threads(None) == first and sleeps == [threads.FIRST_WINDOW_S]
+        assert first == limit - 1 == threads._last_choice == numba.get_num_threads() and reads == [1] and sleeps == []
+        assert set_threads(None) == first and reads == [1]
     finally:
+        monkeypatch.undo()
         set_threads(None)
 
 
@@ -175,7 +178,7 @@ def test_a_second_thread_runs_its_default_at_one_thread_while_the_first_holds_th
     limit = numba.config.NUMBA_NUM_THREADS
     if limit < 2:
         pytest.skip("one core: there is no count to choose")
-    monkeypatch.setattr(threads, "adapt_threads", lambda close=False: None)  # no load-dependent choice: only the pool rule
+    monkeypatch.setattr(threads, "adapt_threads", lambda: None)  # no load-dependent choice: only the pool rule
     monkeypatch.setattr(threads, "_last_choice", limit)
     monkeypatch.setattr(threads, "_pool_warned", False)
     ids = engine.tokenizer.encode("The capital of France is Paris.")

@@ -119,9 +119,14 @@ class Engine:
         self._ffn_act_tokens = kernels.geglu_tokens if gelu else kernels.swiglu_tokens
         # gemma3 scales embeddings by sqrtf(n_embd) (llama.cpp src/models/gemma3.cpp); None: no scaling.
         self._embd_scale = np.float32(np.sqrt(np.float32(cfg.n_embd))) if arch.embd_scale else None
-        # Per layer: (cos, sin) RoPE tables [n_ctx, head_dim / 2] of the layer's base, and its window (0: none).
-        tables = {b: kernels.rope_table(n_ctx, cfg.n_rot, b) for b in {cfg.rope_freq_base, cfg.rope_freq_base_swa}}
-        self._layer_rope = [tables[cfg.rope_freq_base_swa if swa else cfg.rope_freq_base] for swa in cfg.swa_layers]
+        # Per layer: (cos, sin) RoPE tables [n_ctx, n_rot / 2] of the layer's base, and its window (0: none). The
+        # tables are filled by the first forward pass (_fill_rope), so a cold start compiles their kernel beside
+        # the others on two cores (compute/precompile.py) instead of alone before them.
+        half = cfg.n_rot // 2
+        self._rope_tables = {b: (np.empty((n_ctx, half), np.float32), np.empty((n_ctx, half), np.float32))
+                             for b in {cfg.rope_freq_base, cfg.rope_freq_base_swa}}  # fmt: skip
+        self._rope_filled = False
+        self._layer_rope = [self._rope_tables[cfg.rope_freq_base_swa if swa else cfg.rope_freq_base] for swa in cfg.swa_layers]
         self._layer_window = [cfg.sliding_window if swa else 0 for swa in cfg.swa_layers]
         self.attn_scale = np.float32(1.0 / np.sqrt(np.float64(cfg.query_pre_attn_scalar)))
         self._gated = arch.attn_output_gate
@@ -161,12 +166,22 @@ class Engine:
         True if any kernel compiled, False if all loaded from the cache."""
 
         def run() -> None:
+            self._rope_filled = False  # a dry run of the warm-up (compute/precompile.py) fills nothing: fill anew
             cache = self.new_cache()
             self.forward([0, 0], cache)
             self.forward([0], cache)
 
-        # the sampler's kernels only when compiling: a warm start loads them when a generation first samples
-        return warm(run, [(sampler.warm_up, (self.config.n_vocab,))]) is not None
+        try:
+            # the sampler's kernels only when compiling: a warm start loads them when a generation first samples
+            return warm(run, [(sampler.warm_up, (self.config.n_vocab,))]) is not None
+        except BaseException:
+            self._rope_filled = False  # stopped after a dry run: its tables hold nothing
+            raise
+
+    def _fill_rope(self) -> None:
+        for base, (cos, sin) in self._rope_tables.items():
+            kernels.rope_fill(cos, sin, self.config.n_rot, base)
+        self._rope_filled = True
 
     def new_cache(self) -> KVCache:
         """An empty KV cache of n_ctx positions: zeroed memory, that of the last cache dropped if nothing views it
@@ -303,6 +318,8 @@ class Engine:
         cache.n_tokens.. of its cache. ``logits`` (if given) receives the logits of the chunk's ``rows``.
         """
         cfg, w = self.config, self.weights
+        if not self._rope_filled:
+            self._fill_rope()
         T = ids.shape[0]
         s = self._scratch_for(T)
         spans, a = [], 0  # (cache, first row, row end, first position) per segment

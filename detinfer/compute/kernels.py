@@ -573,23 +573,28 @@ def rmsnorm(x, w, eps, out):
             ot[i] = (xt[i] * scale) * w[i]
 
 
-@njit(cache=True)
 def rope_table(n_ctx, n_rot, base):
     """cos/sin tables for RoPE (Su et al. 2021, RoFormer): angle[p, i] = p * base^(-2i / n_rot).
 
-    Returns (cos, sin), float32 [n_ctx, n_rot // 2]: inv_freq = pow64(base, -2i / n_rot), a = p * inv_freq,
-    (sin a, cos a) by :func:`~detinfer.numerics.sincos64`, all in float64, each value rounded once to float32.
+    Returns (cos, sin), float32 [n_ctx, n_rot // 2], filled by :func:`rope_fill`.
     """
-    half = n_rot // 2
-    cos = np.empty((n_ctx, half), np.float32)
-    sin = np.empty((n_ctx, half), np.float32)
-    for i in range(half):
+    cos = np.empty((n_ctx, n_rot // 2), np.float32)
+    sin = np.empty_like(cos)
+    rope_fill(cos, sin, n_rot, base)
+    return cos, sin
+
+
+@njit(cache=True)
+def rope_fill(cos, sin, n_rot, base):
+    """Fill the RoPE tables cos, sin (float32 [n_ctx, n_rot // 2]) in place: inv_freq = pow64(base, -2i / n_rot),
+    a = p * inv_freq, (sin a, cos a) by :func:`~detinfer.numerics.sincos64`, all in float64, each value rounded once
+    to float32 (see :func:`rope_table`)."""
+    for i in range(cos.shape[1]):
         inv_freq = pow64(base, -2.0 * i / n_rot)
-        for p in range(n_ctx):
+        for p in range(cos.shape[0]):
             s, c = sincos64(p * inv_freq)
             cos[p, i] = c
             sin[p, i] = s
-    return cos, sin
 
 
 @njit(cache=True)

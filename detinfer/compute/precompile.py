@@ -132,9 +132,22 @@ def _dry_run(run: Callable[[], None]) -> list[tuple[Dispatcher, list[tuple]]]:
 
 def _compile_cost(job: tuple[Dispatcher, list[tuple]]) -> tuple[bool, int]:
     """A kernel job's rank by how long it compiles, for :func:`_compile_claimed`: parallel kernels first (numba
-    compiles a parallel loop's body twice), then by bytecode length (attention's and matmul_q's are the longest)."""
+    compiles a parallel loop's body twice), then by the bytecode length of the kernel and of the kernels it calls,
+    which compile with it (attention's and matmul_q's are the longest; rope_fill's own is short, but its five
+    float64 functions made it the last job, 0.36 s, while the other process idled)."""
     d = job[0]
-    return bool(d.targetoptions.get("parallel")), len(d.py_func.__code__.co_code)
+    return bool(d.targetoptions.get("parallel")), _bytecode(d.py_func, set())
+
+
+def _bytecode(f: Callable, seen: set[Dispatcher]) -> int:
+    """Bytecode length of ``f`` and of each numba kernel it calls (a global of its module), each counted once."""
+    n = len(f.__code__.co_code)
+    for name in f.__code__.co_names:
+        g = f.__globals__.get(name)
+        if isinstance(g, Dispatcher) and g not in seen:
+            seen.add(g)
+            n += _bytecode(g.py_func, seen)
+    return n
 
 
 def _nothing(*args, **kws) -> None:

@@ -12,7 +12,8 @@ while this one waited (for the next request; for its turn in a benchmark) took n
 made each of two detinfer processes taking turns on an idle machine run at 1 thread. The count a pass after a
 pause starts with is chosen from what runs at that instant instead (/proc/loadavg's runnable threads less this
 process's own), not kept from before the pause: a busy loop that started while a server waited for a request, or
-a benchmark's next cell, made the whole first prefill run on a taken core. The count never changes a
+a benchmark's next cell, made the whole first prefill run on a taken core. A process's first count is chosen the
+same way (it was a 50 ms window of accounting: a twentieth of a warm start). The count never changes a
 result (kernels parallelise over independent outputs only); it is chosen per calling thread, as numba's count
 is. Where /proc/stat cannot be read, all cores are used.
 
@@ -38,7 +39,6 @@ import numba
 from ..errors import InputError
 
 WINDOW_S = 0.2  # seconds of accounting per choice: a few hundred decode steps' worth of parallel regions
-FIRST_WINDOW_S = 0.05  # a process's first choice, made before its first forward pass
 STALE_S = 1.0  # a window this old spans a pause of this thread: others' load then says nothing of now; start anew
 FREE_FRACTION = 0.75  # a core whose other load is below a quarter of it counts as free
 PAUSE_S = 0.1  # this long between two forward passes of a thread (longer than any step's sampling) is a pause
@@ -103,6 +103,13 @@ def _runnable_now() -> int | None:
     return n
 
 
+def _count_after_pause() -> int | None:
+    """The count for a first pass (of the process, or after a pause): the cores the threads of other processes
+    runnable now leave free, at least 1 (None where /proc cannot tell)."""
+    others = _runnable_now()
+    return None if others is None else max(1, numba.config.NUMBA_NUM_THREADS - others)
+
+
 def free_cores(busy_others_s: float, window_s: float, n_cores: int) -> int:
     """The thread count for a window in which other processes used ``busy_others_s`` CPU seconds over
     ``window_s`` seconds of a machine of ``n_cores`` cores: the cores their load leaves free (at least 1)."""
@@ -117,6 +124,7 @@ def set_threads(threads: int | None) -> int:
 
     Raises InputError if ``threads`` is not between 1 and the number of cores numba was started with.
     """
+    global _last_choice
     limit = numba.config.NUMBA_NUM_THREADS
     if threads is not None:
         n = int(threads)
@@ -127,26 +135,23 @@ def set_threads(threads: int | None) -> int:
         return n
     _local.auto = limit > 1 and _machine_busy_s() is not None
     _local.window = None
-    if _local.auto and _last_choice is None:  # the process's first choice: one short window before any work
-        _local.window = (time.monotonic(), _machine_busy_s(), _own_cpu_s())
-        time.sleep(FIRST_WINDOW_S)
-        adapt_threads(close=True)
+    if _local.auto and _last_choice is None:  # the process's first choice: like a pass after a pause
+        _last_choice = _count_after_pause()
     n = _last_choice if _local.auto and _last_choice is not None else limit
     numba.set_num_threads(n)
     return n
 
 
-def adapt_threads(close: bool = False) -> None:
-    """With automatic threads, close the accounting window once WINDOW_S seconds have passed (or now, with
-    ``close``) and set the count for the next one (a window older than STALE_S, which spans a pause of this
-    thread, only starts a new one; :func:`forward_pass` drops one that spans a shorter pause). Costs a clock read
-    between windows."""
+def adapt_threads() -> None:
+    """With automatic threads, close the accounting window once WINDOW_S seconds have passed and set the count for
+    the next one (a window older than STALE_S, which spans a pause of this thread, only starts a new one;
+    :func:`forward_pass` drops one that spans a shorter pause). Costs a clock read between windows."""
     global _last_choice
     if not getattr(_local, "auto", False):
         return
     now = time.monotonic()
     window = getattr(_local, "window", None)
-    if window is not None and now - window[0] < WINDOW_S and not close:
+    if window is not None and now - window[0] < WINDOW_S:
         return
     busy = _machine_busy_s()
     own = _own_cpu_s()
@@ -169,9 +174,9 @@ def forward_pass() -> Iterator[None]:
     global _last_choice
     if time.monotonic() - getattr(_local, "last_end", math.inf) > PAUSE_S:
         _local.window = None
-        if getattr(_local, "auto", False) and (others := _runnable_now()) is not None:
-            _last_choice = max(1, numba.config.NUMBA_NUM_THREADS - others)
-            numba.set_num_threads(_last_choice)
+        if getattr(_local, "auto", False) and (n := _count_after_pause()) is not None:
+            _last_choice = n
+            numba.set_num_threads(n)
     adapt_threads()
     if numba.get_num_threads() > 1:
         _one_pool()
