@@ -226,6 +226,17 @@ def test_cli_bad_constraint_is_one_line_exit_2(home, model_path, args, expected)
     assert len(r.output.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("content, expected", [
+    ("hello\n", "the JSON Schema is not valid JSON: invalid JSON at column 1 (Expecting value)"),
+    ("[1, 2]", "a JSON Schema must be a JSON object, got an array"),
+])  # fmt: skip
+def test_cli_bad_json_schema_file_is_named_in_its_one_line(home, model_path, tmp_path, content, expected):
+    schema = tmp_path / "schema.json"
+    schema.write_text(content)
+    r = cli(home, "run", "-m", model_path, "-p", "hi", "--threads", "1", "--json-schema", schema)
+    assert r.exit_code == 2 and r.output.strip() == f"error: --json-schema file {schema}: {expected}", r.output
+
+
 def test_cli_manifest_refuses_constraint_options(home, tmp_path):
     r = cli(home, "run", "--manifest", tmp_path / "x.json", "--json")
     assert r.exit_code == 2 and "drop --json" in r.output, r.output

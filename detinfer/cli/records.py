@@ -121,7 +121,7 @@ def verify(
         outcomes = fan_out("verified", partial(reexecute_task, model=model), api.read_all(files), reexecute_failed,
                            ray=ray, threads=threads, actors=actors, rederive=rederive)  # fmt: skip
     else:
-        with Progress(console=err, transient=True, disable=as_json) as progress:
+        with Progress(console=err, transient=True, disable=as_json or not err.is_terminal) as progress:  # a pipe: no blank line
             task = progress.add_task("verifying", total=len(files))
             outcomes = api.verify(files, model=model, threads=threads, on_result=lambda r: progress.advance(task), rederive=rederive,
                                   batch=batch)  # fmt: skip

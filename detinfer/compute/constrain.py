@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import ConstraintError, ManifestError
-from ..fileio import read_input_text, utf8_error
+from ..errors import ConstraintError, ManifestError, json_kind
+from ..fileio import parse_json, read_input_text, utf8_error
 from ..model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -96,14 +96,13 @@ class Constraint(BaseModel):
         if kind == "json_object" and text:
             raise ConstraintError("a json_object constraint has no text; use json_schema to give a schema")
         if kind == "json_schema":
+            named = f"{source}: " if source else ""  # the file's name, before what is wrong with it
             try:
-                schema = json.loads(text)
-            except ValueError as e:
-                raise ConstraintError(f"the JSON Schema is not valid JSON: {e}") from None
-            except RecursionError:
-                raise ConstraintError("the JSON Schema is nested too deeply to parse") from None
+                schema = parse_json(text, ConstraintError, "JSON Schema")
+            except ConstraintError as e:
+                raise ConstraintError(f"{named}{e}") from None
             if not isinstance(schema, dict):
-                raise ConstraintError(f"a JSON Schema must be a JSON object, got {type(schema).__name__}")
+                raise ConstraintError(f"{named}a JSON Schema must be a JSON object, got {json_kind(schema)}")
         return cls(kind=kind, text=text, sha256=text_sha256(text))
 
     @classmethod
@@ -144,7 +143,7 @@ def json_schema_constraint(schema: Any) -> Constraint:
     ConstraintError for a schema that is not a JSON object, not JSON data (a set, a cycle) or nested too deeply to
     serialize, besides :meth:`Constraint.create`'s."""
     if not isinstance(schema, dict):
-        raise ConstraintError(f"a JSON Schema must be a JSON object, got {type(schema).__name__}")
+        raise ConstraintError(f"a JSON Schema must be a JSON object, got {json_kind(schema)}")
     try:
         text = json.dumps(schema, ensure_ascii=False)
     except RecursionError:
