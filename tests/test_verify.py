@@ -311,6 +311,7 @@ def test_manifest_whose_model_is_missing_is_bad_input(home: Path, model_path: Pa
     r = cli(home, "verify", folder)
     assert r.exit_code == 2, r.output
     said = [line for line in r.stdout.splitlines() if "not downloaded" in line]
+    assert "smollm2-135m-instruct-q4_1" in row(r.stdout, "a.json"), r.stdout  # the row names the missing model
     assert len(said) == 1 and said[0].startswith(f"2 files ({folder / 'a.json'}, {folder / 'b.json'}): model "), r.stdout
     assert sum(line.startswith(f"{folder / 'c.json'} is not a JSON record") for line in r.stdout.splitlines()) == 1, r.stdout
     code, results, _ = verify_json(home, tmp_path / "absent.gguf", recorded / "greedy.json")

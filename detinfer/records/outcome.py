@@ -75,8 +75,8 @@ class Outcome:
                  "first_divergent_step": None, "reused_tokens": 0, "steps": self.steps}]  # fmt: skip
 
 
-def bad_input(path: str, message: str, seconds: float = 0.0) -> Outcome:
-    return Outcome(path, BAD_INPUT, message=message, seconds=seconds)
+def bad_input(path: str, message: str, seconds: float = 0.0, model: str = "") -> Outcome:
+    return Outcome(path, BAD_INPUT, message=message, seconds=seconds, model=model)
 
 
 def exit_code(outcomes: list[Outcome]) -> int:

@@ -188,10 +188,16 @@ def _reexecute_on(record: Record, engine: Engine, options: ReplayOptions, prefix
         else:
             out = _KINDS[record.kind](record, engine, options)
     except DetinferError as e:
-        return bad_input(str(record.path), str(e), time.perf_counter() - t0)
+        return _bad_record(record, e, time.perf_counter() - t0)
     out.kind, out.seconds = record.kind, time.perf_counter() - t0
     out.model = out.model or name_for_sha256(record.model_sha256) or engine.model_file.path.name
     return out
+
+
+def _bad_record(record: Record, e: DetinferError, seconds: float = 0.0) -> Outcome:
+    """The bad-input outcome of a record that was read, with the model it names (a missing model's row says which)."""
+    named = name_for_sha256(record.model_sha256) or next((Path(n).name for n in record.model_names), "")
+    return bad_input(str(record.path), str(e), seconds, model=named)
 
 
 def reexecute(record: Record, engines: EngineCache, options: ReplayOptions = ReplayOptions()) -> Outcome:
@@ -200,7 +206,7 @@ def reexecute(record: Record, engines: EngineCache, options: ReplayOptions = Rep
     try:
         engine = engines.for_record(record)
     except DetinferError as e:
-        return bad_input(str(record.path), str(e))
+        return _bad_record(record, e)
     return _reexecute_on(record, engine, options, engines.prefix_cache(engine))
 
 
@@ -235,7 +241,7 @@ def reexecute_all(items: Sequence[Record | Outcome], engines: EngineCache, optio
             try:
                 runs.append((i, engines.for_record(items[i])))
             except DetinferError as e:
-                done(i, bad_input(str(items[i].path), str(e)))
+                done(i, _bad_record(items[i], e))
         if runs:
             engine = runs[0][1]
             tasks = [partial(_reexecute_on, items[i], options=options, prefix_cache=engines.prefix_cache(engine)) for i, _ in runs]
