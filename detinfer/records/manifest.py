@@ -31,7 +31,7 @@ from ..compute.constrain import Constraint
 from ..compute.kvcache import KV_QUANT_REASON, QUANTIZED_KV_TYPES
 from ..compute.numerics import NUMERICS_1
 from ..compute.sampling import Sampling, missing_fields
-from ..errors import KVTypeError, ManifestError, first_error
+from ..errors import KVTypeError, ManifestError, first_error, json_kind
 from ..fileio import atomic_write_text, read_json
 
 SCHEMA_VERSION = 3
@@ -209,7 +209,7 @@ def parse_manifest(data: Any, path: Path) -> RunManifest:
     written (naming the section whose hash no longer matches).
     """
     if not isinstance(data, dict):
-        raise ManifestError(f"{path} is not a manifest: expected a JSON object")
+        raise ManifestError(f"{path} is not a manifest: the top level must be a JSON object, got {json_kind(data)}")
     version = data.get("schema_version")
     if "schema_version" not in data:
         raise ManifestError(f"{path} has no schema_version: it is not a detinfer run manifest")
