@@ -396,6 +396,9 @@ def test_json_of_the_wrong_kind_says_what_it_is(home: Path, tmp_path: Path):
     (tmp_path / "bad.jsonl").write_text("[1]\n")
     r = cli(home, "batch", tmp_path / "bad.jsonl", "--out-dir", tmp_path / "out")
     assert r.exit_code == 2 and "0 written, 0 skipped (--resume), 1 bad input" in r.stdout and "manifests in" not in r.stdout, r.stdout
+    # the line is named once, compiler-style; nothing ran, so no tokens or rate are shown for it
+    assert f"{tmp_path / 'bad.jsonl'}:1: the top level must be a JSON object, got an array" in r.stdout.splitlines(), r.stdout
+    assert r.stderr.splitlines() == ["[1/1] line-1: bad input", "ran 1/1 in this process in 0.0 s: 1 bad input"], r.stderr
     snapshot = tmp_path / "turn-001.detkv"
     snapshot.write_bytes(b"DETKV\0\0\0" + bytes(range(200)))  # binary: not JSON, and said to be a snapshot
     r = cli(home, "verify", snapshot)

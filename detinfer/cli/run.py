@@ -204,8 +204,9 @@ def batch(
                   rederive=rederive, local=partial(batch_lockstep, batch=lockstep), compares=False)  # fmt: skip
     results = sorted(ran + skipped, key=lambda r: r.line)
     for r in results:
-        if r.status == BAD_INPUT:
-            out.print(f"line {r.line}: {escape(r.message)}", soft_wrap=True)
+        if r.status == BAD_INPUT:  # compiler-style "batch.jsonl:3: ...", as a line that does not parse says it
+            at = f"{batch_file}:{r.line}"
+            out.print(escape(r.message if r.message.startswith(at) else f"{at}: {r.message}"), soft_wrap=True)
     bad = sum(r.status == BAD_INPUT for r in results)
     where = f"; manifests in {escape(str(out_dir))}" if len(results) > bad else ""  # none written: no folder to name
     out.print(f"batch {escape(str(batch_file))}: {len(ran) - bad} written, {len(skipped)} skipped (--resume), {bad} bad input{where}",

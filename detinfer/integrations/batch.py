@@ -381,8 +381,9 @@ class ItemProgress:
         else:
             name = getattr(result, "path", None) or result.id
             so_far = f"{self.mismatches} mismatches so far, " * self.compares
-            self.console.print(f"[{self.done}/{self.total}] {escape(str(name))}: {result.status} ({result.steps} tokens, "
-                               f"{so_far}{self.rate():.1f} tok/s)", soft_wrap=True, markup=False)  # fmt: skip
+            ran = result.status != BAD_INPUT  # nothing ran: no tokens or rate to show
+            self.console.print(f"[{self.done}/{self.total}] {escape(str(name))}: {result.status}"
+                               + f" ({result.steps} tokens, {so_far}{self.rate():.1f} tok/s)" * ran, soft_wrap=True, markup=False)  # fmt: skip
 
     def close(self, interrupted: bool = False, summary: bool = True) -> None:
         if self.bar is not None:
@@ -392,9 +393,9 @@ class ItemProgress:
         seconds = time.perf_counter() - self.t0
         head = "interrupted: " if interrupted else ""
         self.console.print(f"{head}{self.verb} {self.done}/{self.total} {self.where} in {seconds:.1f} s: "
-                           f"{f'{self.mismatches} mismatch, ' * self.compares}{self.bad} bad input; {self.tokens} tokens, "
-                           f"{self.rate():.1f} tok/s",
-                           soft_wrap=True, markup=False)
+                           f"{f'{self.mismatches} mismatch, ' * self.compares}{self.bad} bad input"
+                           + f"; {self.tokens} tokens, {self.rate():.1f} tok/s" * (self.tokens > 0),
+                           soft_wrap=True, markup=False)  # fmt: skip
 
 
 def batch_failed(item: BatchItem, reason: str) -> BatchResult:
