@@ -72,8 +72,9 @@ def first_error(e: Exception, prefix: str = "") -> str:
     it must be ("the top level must be a JSON object, got an array")."""
     err = e.errors()[0]  # type: ignore[attr-defined]
     loc = prefix + ".".join(str(x) for x in err["loc"])
+    msg = err["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's own ValueError
     if loc:
-        return f"{loc}: {err['msg']}"
+        return f"{loc}: {msg}"
     if err["type"] in ("model_type", "dict_type", "model_attributes_type"):
         return f"the top level must be a JSON object, got {json_kind(err['input'])}"
-    return err["msg"]
+    return msg

@@ -403,7 +403,7 @@ def parse_json(text: str | bytes, error: type[Exception], what: str, where: str 
     except json.JSONDecodeError as e:
         if not e.doc.strip():
             raise error(f"{invalid}: {'it is empty' if not e.doc else 'it holds only white space'}") from None
-        at = f"line {e.lineno} column {e.colno}" if "\n" in e.doc.strip() else f"column {e.colno}"
+        at = f"line {e.lineno} column {e.colno}" if e.lineno > 1 or "\n" in e.doc.strip() else f"column {e.colno}"
         # parsing stopped where the text does, or in a string never closed: the rest may be missing
         ended = e.pos >= len(e.doc.rstrip()) or e.msg.startswith("Unterminated string")
         msg = e.msg.removesuffix(" starting at")

@@ -146,7 +146,7 @@ def test_empty_prompt(home: Path, tiny: Path, tmp_path: Path):
     empty = tmp_path / "empty.txt"
     empty.write_bytes(b"")
     r = cli(home, "run", "--model", tiny, "--prompt-file", empty, "--out", tmp_path / "run.json", "--ctx", "64")
-    one_error_line(r, "prompt is empty")
+    one_error_line(r, f"--prompt-file {empty} is empty")
     assert_nothing_written(tmp_path, "run.json")
 
 
@@ -250,6 +250,7 @@ def test_chat_without_template(home: Path, tiny: Path, tmp_path: Path):
         ([{"role": "user", "content": 3}], "'content' that is a number"),
         ([], "empty"),
         ("[{", "invalid JSON at column 3 (Expecting property name enclosed in double quotes); it may be truncated"),
+        ('[{"role": \n', "invalid JSON at line 2 column 1 (Expecting value); it may be truncated"),  # not "column 1" alone
     ],
 )
 def test_bad_messages_file(home: Path, tmp_path: Path, content, needle: str):
@@ -372,7 +373,7 @@ def test_manifest_with_prompt_option(home: Path, manifest_json: dict, tmp_path: 
     one_error_line(r, "--manifest", "--prompt")
 
 
-def test_json_of_the_wrong_kind_says_what_it_is(home: Path, tmp_path: Path):
+def test_json_of_the_wrong_kind_says_what_it_is(home: Path, tiny_chat: Path, tmp_path: Path):
     """A top level that is not an object, or a session script where a record goes, is named for what it is (not a
     location-less "Input should be a valid dictionary", nor "not a valid session snapshot: model_sha256: Field required")."""
     (tmp_path / "list.json").write_text("[1, 2]")
@@ -393,6 +394,14 @@ def test_json_of_the_wrong_kind_says_what_it_is(home: Path, tmp_path: Path):
     one_error_line(cli(home, "session", "run", manifest), "manifest.json is a run manifest, not a session script")
     one_error_line(cli(home, "batch", manifest, "--out-dir", tmp_path / "out"), "is one JSON document over several lines, not JSONL")
     assert not (tmp_path / "out").exists()
+    lines = ['{"id": "../x", "prompt": "hi"}', '{"id": "a", "prompt": "hi", "messages": []}', '{"id": "b", "prompt": ""}']
+    (tmp_path / "three.jsonl").write_text("".join(line + "\n" for line in lines))
+    r = cli(home, "batch", tmp_path / "three.jsonl", "--out-dir", tmp_path / "out", "--model", tiny_chat, "--threads", "1")
+    at = f"{tmp_path / 'three.jsonl'}:"
+    # plain words, not the id's regex, pydantic's "Value error, " or run's --prompt advice
+    assert [line for line in r.stdout.splitlines() if line.startswith(at)] == [
+        f"{at}1: id: \"../x\" cannot name a file: use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit",
+        f"{at}2: give exactly one of prompt, messages", f"{at}3: b: the prompt is empty; a raw completion needs some text to continue"], r.stdout
     (tmp_path / "bad.jsonl").write_text("[1]\n")
     r = cli(home, "batch", tmp_path / "bad.jsonl", "--out-dir", tmp_path / "out")
     assert r.exit_code == 2 and "0 written, 0 skipped (--resume), 1 bad input" in r.stdout and "manifests in" not in r.stdout, r.stdout

@@ -303,7 +303,7 @@ def kv_inspect(path: Annotated[Path, typer.Argument(help=".detkv file")]) -> Non
         fail(e)
     table = Table("field", "value", title=escape(str(path)))
     for k, v in info_.items():
-        text = str(v)
+        text = "-" if v is None else str(v)  # (a damaged file's KV hash is not computed)
         table.add_row(k, escape(text if len(text) <= 120 else text[:117] + "…"))
     out.print(table)
     if info_.get("checksum") != "ok":

@@ -140,6 +140,9 @@ def run(
         if system is not None and messages is not None:
             raise InputError("--system goes with --chat; a --messages file holds its own system message")
         text = api.read_prompt_file(prompt_file) if prompt_file is not None else prompt
+        if text == "" and not chat:  # a raw completion of nothing (the library's message names no option)
+            raise InputError(f"--prompt-file {prompt_file} is empty; put the text to continue in it" if prompt_file is not None
+                             else "--prompt is empty; give the text to continue")  # fmt: skip
         msgs = api.load_messages(messages) if messages is not None else None
         if system is not None:  # (a plain --chat prompt is recorded as text, as before --system existed)
             msgs = [{"role": "system", "content": system}, {"role": "user", "content": text}]

@@ -16,13 +16,14 @@ and writes ``DIR/<id>.json``, a normal run manifest (``detinfer verify`` re-exec
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..compute.lockstep import DEFAULT_BATCH, check_batch, lockstep
 from ..compute.sampling import Sampling
@@ -77,6 +78,17 @@ class BatchLine(_Strict):
     model: str | None = None
     chat_template: str | None = None
     sampling: Sampling = Sampling()
+
+    @field_validator("id", mode="wrap")
+    @classmethod
+    def _file_name(cls, value: Any, handler: Any) -> str:
+        try:
+            return handler(value)
+        except ValidationError:  # pydantic's message is the regex itself
+            if not isinstance(value, str):
+                raise
+            raise ValueError(f"{json.dumps(value)} cannot name a file: use 1-128 letters, digits, '.', '_' or '-', "
+                             "starting with a letter or digit") from None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "BatchLine":

@@ -76,7 +76,7 @@ def build_prompt(engine: Engine, *, text: str | None = None, messages: list[dict
             tokens_sha256=tokens_sha256(ids),
         )
     if text == "":
-        raise InputError("the prompt is empty; pass some text with --prompt or --prompt-file")
+        raise InputError("the prompt is empty; a raw completion needs some text to continue")
     ids = tok.encode(text)
     return PromptRecord(text=text, messages=None, chat=False, rendered=text, token_ids=ids, tokens_sha256=tokens_sha256(ids))
 
