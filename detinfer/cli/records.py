@@ -75,7 +75,8 @@ def _print_outcomes(outcomes: list, as_json: bool, seconds: float, fanned_out: b
     table = Table("manifest", "model", "generated", "result", "time", "threads", "recorded on", "re-executed on")
     for r in outcomes:
         style = "green" if r.status == api.MATCH else "red" if r.status != api.BAD_INPUT else "yellow"
-        table.add_row(escape(r.path), escape(r.model), str(r.steps), f"[{style}]{r.status}[/]", f"{r.seconds:.1f}s", str(r.threads or ""),
+        ran = r.status != api.BAD_INPUT  # a file that did not run has no count or time to show
+        table.add_row(escape(r.path), escape(r.model), str(r.steps) if ran else "", f"[{style}]{r.status}[/]", f"{r.seconds:.1f}s" if ran else "", str(r.threads or ""),
                       escape(api.short_machine(r.recorded_on)), escape(api.short_machine(r.reexecuted_on)))
     out.print(table)
     for described in sorted({api.describe_machine(m) for r in outcomes for m in (r.recorded_on, r.reexecuted_on) if m}):
@@ -214,7 +215,8 @@ def replay(
             style = "green" if r["result"] == "match" else "yellow" if r["result"] == api.BAD_INPUT else "red"
             detail = escape(", ".join(r["differs"]) or r.get("message", "")) + (escape(f" expected {r['expected']} got {r['actual']}") if "expected" in r else "")
             table.add_row(escape(Path(r["session"]).name), "" if r["turn"] is None else str(r["turn"]), f"[{style}]{r['result']}[/]",
-                          str(r["steps"]), str(r["reused_tokens"]), "" if r["first_divergent_step"] is None else str(r["first_divergent_step"]),
+                          *((str(r["steps"]), str(r["reused_tokens"])) if r["result"] != api.BAD_INPUT else ("", "")),
+                          "" if r["first_divergent_step"] is None else str(r["first_divergent_step"]),
                           detail)  # fmt: skip
         out.print(table)
         turns = sum(len(r.turns) for r in outcomes)
