@@ -62,7 +62,10 @@ class _Group(_Help, typer.core.TyperGroup):
             if type(e).__name__ != "NoArgsIsHelpError":  # that one's help was shown: it is the answer
                 ctx = getattr(e, "ctx", None)
                 see = f" (see `{ctx.command_path if ctx is not None else 'detinfer'} --help`)"
-                err.print(f"[bold red]error:[/] {escape(e.format_message().rstrip('.'))}{escape(see)}", soft_wrap=True)
+                message = e.format_message()
+                if type(e) is typer.BadParameter and getattr(e.param, "opts", None):  # a bad value, read as our own range errors
+                    message = f"{e.param.opts[0]}: {e.message.replace('Input should be', 'must be', 1)}"
+                err.print(f"[bold red]error:[/] {escape(message.rstrip('.'))}{escape(see)}", soft_wrap=True)
             sys.exit(e.exit_code)
         except typer.Abort:
             err.print("Aborted!")
