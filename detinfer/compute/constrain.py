@@ -101,8 +101,7 @@ class Constraint(BaseModel):
                 schema = parse_json(text, ConstraintError, "JSON Schema")
             except ConstraintError as e:
                 raise ConstraintError(f"{named}{e}") from None
-            if not isinstance(schema, dict):
-                raise ConstraintError(f"{named}a JSON Schema must be a JSON object, got {json_kind(schema)}")
+            check_schema_object(schema, named)
         return cls(kind=kind, text=text, sha256=text_sha256(text))
 
     @classmethod
@@ -138,12 +137,17 @@ def check_ignore_eos(constraint: Constraint | None, ignore_eos: bool) -> None:
         raise ConstraintError("a constraint ends its output with an end-of-generation token; drop --ignore-eos")
 
 
+def check_schema_object(schema: Any, named: str = "") -> None:
+    """ConstraintError unless a parsed JSON Schema is a JSON object (``named``: what holds it, before the reason)."""
+    if not isinstance(schema, dict):
+        raise ConstraintError(f"{named}a JSON Schema must be a JSON object, got {json_kind(schema)}")
+
+
 def json_schema_constraint(schema: Any) -> Constraint:
     """A json_schema constraint from a parsed schema (its keys kept in order: properties are generated in it).
     ConstraintError for a schema that is not a JSON object, not JSON data (a set, a cycle) or nested too deeply to
     serialize, besides :meth:`Constraint.create`'s."""
-    if not isinstance(schema, dict):
-        raise ConstraintError(f"a JSON Schema must be a JSON object, got {json_kind(schema)}")
+    check_schema_object(schema)
     try:
         text = json.dumps(schema, ensure_ascii=False)
     except RecursionError:

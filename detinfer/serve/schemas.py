@@ -29,8 +29,8 @@ import jsonschema
 import re2
 import referencing
 
-from ..compute.constrain import MAX_CONSTRAINT_BYTES, Constraint, text_sha256
-from ..errors import ConstraintError, json_kind
+from ..compute.constrain import MAX_CONSTRAINT_BYTES, Constraint, check_schema_object, text_sha256
+from ..errors import ConstraintError
 from ..model.tokenizer import Tokenizer
 from ..model.tool_parsers import ToolCallFormat
 
@@ -102,8 +102,7 @@ def _enforced(kind: str, text: str) -> Constraint:
 def schema_constraint(schema: Any, *, strict: bool, what: str = "the JSON Schema") -> Constraint:
     """The json_schema constraint the server enforces for a response format's ``schema`` (closed when ``strict``,
     compact whitespace unless it says otherwise). ConstraintError for a schema that is not an object or over the cap."""
-    if not isinstance(schema, dict):
-        raise ConstraintError(f"a JSON Schema must be a JSON object, got {json_kind(schema)}")
+    check_schema_object(schema)
     check_cap(schema, what)
     return _enforced("json_schema", compact_json(json_options(closed(schema) if strict else schema)))
 
