@@ -295,12 +295,24 @@ def open_input(path: str | os.PathLike, error: type[Exception], what: str) -> Bi
     return os.fdopen(fd, "rb")
 
 
+def _read_upto(f: BinaryIO, limit: int, first: int) -> bytes:
+    """At most ``limit`` bytes of ``f``, read ``first`` bytes at a time at first, then 1 MiB at a time: ``read(n)``
+    allocates n bytes before it reads, so one read of a 1 GiB limit asked the OS for 1 GiB even for a 2 MB file (a
+    MemoryError under ``ulimit -v`` or on a small machine)."""
+    chunks, n, want = [], 0, first
+    while n < limit and (block := f.read(min(want, limit - n))):
+        chunks.append(block)
+        n += len(block)
+        want = 1 << 20
+    return b"".join(chunks)
+
+
 def read_input(path: str | os.PathLike, error: type[Exception], what: str, *, max_bytes: int = MAX_INPUT_BYTES,
                stdin: bool = False) -> bytes:  # fmt: skip
     """The bytes of the regular file ``path`` (see :func:`open_input`; ``-`` reads stdin when ``stdin``), at most
     ``max_bytes``; ``error`` (one line) if it is not a readable regular file or is larger."""
     if stdin and str(path) == "-":
-        data = sys.stdin.buffer.read(max_bytes + 1)
+        data = _read_upto(sys.stdin.buffer, max_bytes + 1, 1 << 20)
         if len(data) > max_bytes:
             raise error(f"{what} on stdin is larger than the limit of {max_bytes:,} bytes")
         return data
@@ -309,7 +321,7 @@ def read_input(path: str | os.PathLike, error: type[Exception], what: str, *, ma
         if size > max_bytes:
             raise error(f"{what} {path} has {size:,} bytes, more than the limit of {max_bytes:,}")
         try:
-            data = f.read(max_bytes + 1)
+            data = _read_upto(f, max_bytes + 1, size + 1)
         except OSError as e:
             raise error(f"cannot read {what} {path}: {e.strerror or e}") from None
     if len(data) > max_bytes:  # the file grew while being read

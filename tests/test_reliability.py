@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import os
 import re
@@ -31,7 +32,7 @@ from gguf_factory import CHATML
 
 from detinfer.compute.engine import Engine
 from detinfer.errors import ManifestError, TemplateError
-from detinfer.fileio import seal
+from detinfer.fileio import read_input, seal
 from detinfer.model import sandbox
 from detinfer.model.chat import ChatTemplate
 from detinfer.model.gguf_file import HEADER_KEY_BYTES, INDEX_VERSION, ModelFile
@@ -388,6 +389,24 @@ def test_oversized_input_file_is_refused(home: Path, tiny_chat: Path, tmp_path: 
     with open(big, "wb") as f:
         f.truncate(65 * 2**20)  # sparse: no disk used
     one_error_line(cli(home, "run", "--model", tiny_chat, "--prompt-file", big), "more than the limit")
+
+
+def test_a_read_asks_for_no_more_memory_than_the_input_has(tmp_path: Path, monkeypatch):
+    """A limit is a bound, not a buffer size: the GGUF index and the merge cache are read with a 1 GiB limit, and one
+    read(limit + 1) allocated all of it up front (a MemoryError under ulimit -v or on a small machine). A limit the OS
+    cannot allocate at all (16 TiB) shows it; the limits themselves still hold, for a file and for stdin."""
+    small = tmp_path / "small.txt"
+    small.write_bytes(b"x" * 3_000_000)  # past the first 1 MiB read of stdin
+    assert read_input(small, ValueError, "prompt", max_bytes=1 << 44) == small.read_bytes()
+    with pytest.raises(ValueError, match="more than the limit of 2,999,999"):
+        read_input(small, ValueError, "prompt", max_bytes=2_999_999)
+    for data, limit in ((b"y" * 3_000_000, 1 << 44), (b"y" * 3_000_001, 3_000_000)):
+        monkeypatch.setattr(sys, "stdin", type("Stdin", (), {"buffer": io.BytesIO(data)}))
+        if len(data) <= limit:
+            assert read_input("-", ValueError, "prompt", max_bytes=limit, stdin=True) == data
+        else:
+            with pytest.raises(ValueError, match="on stdin is larger than the limit of 3,000,000 bytes"):
+                read_input("-", ValueError, "prompt", max_bytes=limit, stdin=True)
 
 
 def test_outputs_never_replace_special_files(home: Path, tiny_chat: Path, tmp_path: Path, fifo: Path):
