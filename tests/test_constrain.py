@@ -146,6 +146,11 @@ def test_grammar_end_leaves_only_end_tokens(engine):
     ("json_schema", "[1, 2]", "must be a JSON object"),
     ("json_schema", "{not json", "not valid JSON"),
     ("regex", "a(b", "unclosed group"),
+    # a regex that does not parse: quoted with the reason, without the regex crate's excerpt (or, for a --regex, a place
+    # in llguidance's wrapper grammar)
+    ("regex", "[a-", 'invalid regex constraint: regex "[a-": unclosed character class'),
+    ("lark", "start: /[a-/", 'invalid lark constraint: at 1(8): regex "[a-": unclosed character class'),
+    ("json_schema", '{"type": "string", "pattern": "x{2,1}"}', 'regex "x{2,1}": invalid repetition count range'),
     ("regex", r"[^\x00-\x{10FFFF}]", "can never be satisfied"),
     ("lark", "start: b\n", 'unknown name: "b"'),
     ("lark", "x" * (MAX_CONSTRAINT_BYTES + 1), f"the cap is {MAX_CONSTRAINT_BYTES:,} bytes"),

@@ -293,8 +293,19 @@ def refuse_control_tokens(constraint: Constraint, tokenizer: Tokenizer) -> None:
         raise ConstraintError("the lark grammar names a control token; a constraint never produces control tokens: remove it")
 
 
-def _one_line(message: str) -> str:
-    """llguidance's multi-line error (with source excerpts and carets) as one line."""
+# llguidance's report of a regex that does not parse (a --regex, a Lark /regex/ or a schema's "pattern"): where it is
+# in the grammar, the regex quoted, then the regex crate's excerpt, caret line and reason
+_REGEX_ERROR = re.compile(r'(?:(?P<at>at \d+\(\d+\): )invalid regex (?P<quoted>".*") \(in regex\): )?regex parse error:\n'
+                          r'(?P<source>.*?)\n(?:\s*\^+\n)?error: (?P<why>[^\n]*)', re.S)
+
+
+def _one_line(message: str, kind: str = "") -> str:
+    """llguidance's multi-line error (with source excerpts and carets) as one line. A regex that does not parse reads
+    'regex "[a-": unclosed character class', after its place in a Lark grammar; a ``kind`` "regex" has no place (its
+    grammar is llguidance's one-line wrapper of the regex)."""
+    if m := _REGEX_ERROR.search(message):
+        at = m["at"] if m["at"] and kind != "regex" else ""
+        return f"{at}regex {m['quoted'] or json.dumps(m['source'].strip())}: {m['why'].strip()}"
     keep = [s for line in message.splitlines() if (s := line.strip()) and not s.startswith("^") and not re.match(r"^\d+ \|", s)]
     return " ".join(keep)
 
@@ -342,7 +353,7 @@ class Guide:
     def _fail(self, what: str, matcher: llguidance.LLMatcher | None = None) -> None:
         matcher = matcher or self.matcher
         if matcher.is_error():
-            raise ConstraintError(f"{what}: {_one_line(matcher.get_error())}")
+            raise ConstraintError(f"{what}: {_one_line(matcher.get_error(), self.constraint.kind)}")
 
     def _allowed(self, matcher: llguidance.LLMatcher) -> np.ndarray:
         bits = np.frombuffer(matcher.compute_bitmask(), np.uint8)
@@ -389,7 +400,7 @@ class Guide:
         grammar past one of the parser's limits."""
         if not self.matcher.consume_token(int(token)):
             raise ConstraintError(f"the {self.constraint.kind} constraint failed at token {token} after {self.n_consumed} "
-                                  f"tokens: {_one_line(self.matcher.get_error())}")
+                                  f"tokens: {_one_line(self.matcher.get_error(), self.constraint.kind)}")
         self.n_consumed += 1
 
 
