@@ -151,6 +151,7 @@ def test_grammar_end_leaves_only_end_tokens(engine):
     ("regex", "[a-", 'invalid regex constraint: regex "[a-": unclosed character class'),
     ("lark", "start: /[a-/", 'invalid lark constraint: at 1(8): regex "[a-": unclosed character class'),
     ("json_schema", '{"type": "string", "pattern": "x{2,1}"}', 'regex "x{2,1}": invalid repetition count range'),
+    ("json_schema", '{"type": "string", "pattern": "(?P<a>x)(?P<a>y)"}', 'regex "(?P<a>x)(?P<a>y)": duplicate capture group'),
     ("regex", r"[^\x00-\x{10FFFF}]", "can never be satisfied"),
     ("lark", "start: b\n", 'unknown name: "b"'),
     ("lark", "x" * (MAX_CONSTRAINT_BYTES + 1), f"the cap is {MAX_CONSTRAINT_BYTES:,} bytes"),

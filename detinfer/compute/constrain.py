@@ -296,7 +296,7 @@ def refuse_control_tokens(constraint: Constraint, tokenizer: Tokenizer) -> None:
 # llguidance's report of a regex that does not parse (a --regex, a Lark /regex/ or a schema's "pattern"): where it is
 # in the grammar, the regex quoted, then the regex crate's excerpt, caret line and reason
 _REGEX_ERROR = re.compile(r'(?:(?P<at>at \d+\(\d+\): )invalid regex (?P<quoted>".*") \(in regex\): )?regex parse error:\n'
-                          r'(?P<source>.*?)\n(?:\s*\^+\n)?error: (?P<why>[^\n]*)', re.S)
+                          r'(?P<source>.*?)\n(?:[ \t]*\^[ \t^-]*\n)?error: (?P<why>[^\n]*)', re.S)
 
 
 def _one_line(message: str, kind: str = "") -> str:
