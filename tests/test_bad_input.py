@@ -140,13 +140,16 @@ def test_missing_config_key(home: Path, tmp_path: Path):
 # ------------------------------------------------------------------------------------------ prompts
 
 
-def test_empty_prompt(home: Path, tiny: Path, tmp_path: Path):
+def test_empty_prompt(home: Path, tiny: Path, tiny_chat: Path, tmp_path: Path):
     r = cli(home, "run", "--model", tiny, "--prompt", "", "--out", tmp_path / "run.json", "--ctx", "64")
-    one_error_line(r, "prompt is empty")
+    one_error_line(r, "--prompt is empty; give the text to continue")
     empty = tmp_path / "empty.txt"
     empty.write_bytes(b"")
     r = cli(home, "run", "--model", tiny, "--prompt-file", empty, "--out", tmp_path / "run.json", "--ctx", "64")
     one_error_line(r, f"--prompt-file {empty} is empty")
+    for chat in (["--chat"], ["--chat", "--system", "be brief"]):  # an empty message is a mistake too ("$PROMPT" unset)
+        r = cli(home, "run", "--model", tiny_chat, *chat, "--prompt", "", "--out", tmp_path / "run.json", "--ctx", "64")
+        one_error_line(r, "--prompt is empty; give the message to send")
     assert_nothing_written(tmp_path, "run.json")
 
 

@@ -199,6 +199,24 @@ def test_bad_parameters_are_400(client, extra, param):
     assert err["type"] == "invalid_request_error" and err["param"] == param, err
 
 
+@pytest.mark.parametrize("path, body, param, code, needle", [
+    ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content", "invalid_type",
+     "expected a string or an array, got a number"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [5]}]}, "messages.0.content.0", "invalid_value", "dictionary"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": 5}, "stop", "invalid_type", "got a number"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "function", "function": {}}},
+     "tool_choice.function.name", "invalid_value", "Field required"),
+    ("completions", {"prompt": [1.5]}, "prompt.0", "invalid_type", "expected a string or an integer"),
+    ("completions", {"prompt": ""}, "prompt", "invalid_value", "empty"),
+    ("completions", {"prompt": []}, "prompt", "invalid_value", "no tokens"),
+])  # fmt: skip
+def test_a_bad_request_names_the_parameter_as_sent_and_has_a_code(server, path, body, param, code, needle):
+    """No pydantic union member ("content.str") in ``param``, no Python class name as ``code``."""
+    r = httpx.post(f"{server.url}/v1/{path}", json=dict(model=MODEL, max_tokens=2, **body), timeout=30)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == param and err["code"] == code and needle in err["message"], err
+
+
 @pytest.mark.parametrize("value", [6, -1, True])
 def test_bad_completion_logprobs_are_400(client, value):
     with pytest.raises(openai.BadRequestError) as info:
@@ -367,9 +385,15 @@ def test_completions_logprobs(client):
 
 
 def test_prompt_too_long_and_huge_body(server, client):
-    with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=MODEL, prompt="hello " * 1100, max_tokens=2)
-    assert "context" in info.value.response.json()["error"]["message"]
+    """A prompt of n_ctx tokens or more is OpenAI's context_length_exceeded (clients trim history on that code)."""
+    for create, kw, param in [(client.completions.create, dict(prompt="hello " * 1100), "prompt"),
+                              (client.completions.create, dict(prompt=[1] * 1024), "prompt"),
+                              (client.chat.completions.create, dict(messages=[{"role": "user", "content": "hello " * 1100}]), "messages")]:  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as info:
+            create(model=MODEL, max_tokens=2, **kw)
+        err = info.value.response.json()["error"]
+        assert err["code"] == "context_length_exceeded" and err["param"] == param and "--ctx" in err["message"], err
+    assert client.completions.create(model=MODEL, prompt=[1] * 1023, max_tokens=1).usage.prompt_tokens == 1023
     r = httpx.post(server.url + "/v1/chat/completions", timeout=30,
                    content=b'{"model": "x", "messages": [{"role": "user", "content": "' + b"a" * (2 << 20) + b'"}]}')
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"

@@ -7,6 +7,7 @@ Exit codes: 0 success, 1 a re-executed record does not match, 2 bad input, 130 i
 
 from __future__ import annotations
 
+import difflib
 import sys
 import threading
 import time
@@ -62,6 +63,8 @@ class _Group(_Help, typer.core.TyperGroup):
             if type(e).__name__ != "NoArgsIsHelpError":  # that one's help was shown: it is the answer
                 ctx = getattr(e, "ctx", None)
                 see = f" (see `{ctx.command_path if ctx is not None else 'detinfer'} --help`)"
+                if type(e).__name__ == "NoSuchOption" and e.possibilities:  # click's 0.6 cutoff offers --out for --bogus
+                    e.possibilities = difflib.get_close_matches(e.option_name, e.possibilities, cutoff=SUGGEST_CUTOFF)
                 message = e.format_message()
                 if type(e) is typer.BadParameter and getattr(e.param, "opts", None):  # a bad value, read as our own range errors
                     message = f"{e.param.opts[0]}: {e.message.replace('Input should be', 'must be', 1)}"
@@ -72,6 +75,8 @@ class _Group(_Help, typer.core.TyperGroup):
             sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
 
+
+SUGGEST_CUTOFF = 0.75  # difflib ratio of a suggested option to the unknown one: --max-token -> --max-tokens, --promt -> --prompt
 
 # click's exception base (UsageError's): typer vendors click since 0.25, so it is found from what typer exports
 _CLICK_ERROR = typer.BadParameter.__mro__[2]

@@ -140,9 +140,10 @@ def run(
         if system is not None and messages is not None:
             raise InputError("--system goes with --chat; a --messages file holds its own system message")
         text = api.read_prompt_file(prompt_file) if prompt_file is not None else prompt
-        if text == "" and not chat:  # a raw completion of nothing (the library's message names no option)
-            raise InputError(f"--prompt-file {prompt_file} is empty; put the text to continue in it" if prompt_file is not None
-                             else "--prompt is empty; give the text to continue")  # fmt: skip
+        if text == "":  # a completion of nothing, or an empty message (the library's message names no option)
+            what = "the message to send" if chat else "the text to continue"
+            raise InputError(f"--prompt-file {prompt_file} is empty; put {what} in it" if prompt_file is not None
+                             else f"--prompt is empty; give {what}")  # fmt: skip
         msgs = api.load_messages(messages) if messages is not None else None
         if system is not None:  # (a plain --chat prompt is recorded as text, as before --system existed)
             msgs = [{"role": "system", "content": system}, {"role": "user", "content": text}]

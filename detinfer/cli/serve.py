@@ -51,7 +51,7 @@ def serve(
     kv_dir: Annotated[Optional[Path], typer.Option("--kv-dir", help="Keep the prefix cache's KV snapshots in this folder too (.detkv): a restarted server is warm.")] = None,
     kv_dir_bytes: Annotated[int, typer.Option("--kv-dir-bytes", min=0, help="Byte budget of this model's files in --kv-dir (oldest deleted first).")] = 4 << 30,
 ) -> None:
-    """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
+    """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /health)."""
     from ..serve import listen  # FastAPI and uvicorn: a fifth of every other command's start, so imported here only
     from ..serve.app import create_app
     from ..serve.serving import ServerSettings

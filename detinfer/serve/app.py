@@ -52,7 +52,8 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
 
     @app.exception_handler(DetinferError)
     async def detinfer_error(request: Request, e: DetinferError):
-        return ApiError(400, str(e), code=type(e).__name__).response()
+        # what a request can raise (a template's raise_exception, text that cannot be tokenized) is about its values
+        return ApiError(400, str(e), code="invalid_value").response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):  # 404, 405...: OpenAI's shape, not {"detail"}

@@ -60,7 +60,7 @@ class ChatCompletions:
                       for i, t in enumerate(req.tools or []) if t.function.strict}  # fmt: skip
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         prompt = tpl.encode(engine.tokenizer, tpl.render_with(engine.tokenizer, messages, tools=tools))
-        server.check_length(prompt)
+        server.check_length(prompt, "messages")
         limit = req.max_completion_tokens or req.max_tokens
         job = Job(prompt, req.sampling(limit or engine.n_ctx - len(prompt)), stream=bool(req.stream), messages=messages,
                   tool_defs=tools, logprobs_k=req.logprobs_k, constraint=req.constraint(fmt if req.forces_tool_call else None))  # fmt: skip

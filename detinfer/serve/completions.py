@@ -31,16 +31,16 @@ class Completions:
         if isinstance(p, list) and (not p or isinstance(p[0], int)):
             bad = [t for t in p if not 0 <= t < engine.config.n_vocab]
             if bad:
-                raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary", param="prompt")
+                raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary", param="prompt", code="invalid_value")
             return list(p)
         text = p if isinstance(p, str) else p[0]
         if text == "":
-            raise ApiError(400, "prompt is empty", param="prompt")
+            raise ApiError(400, "prompt is empty", param="prompt", code="invalid_value")
         return engine.tokenizer.encode(text)
 
     def prepare(self, req: CompletionRequest) -> Job:
         prompt = self.prompt(req)
-        self.server.check_length(prompt)
+        self.server.check_length(prompt, "prompt")
         return Job(prompt, req.sampling(req.max_tokens or DEFAULT_MAX_TOKENS), stream=bool(req.stream), chat=False, note=NOTE,
                    logprobs_k=req.logprobs_k)  # fmt: skip
 

@@ -15,6 +15,7 @@ back as it got it; an unknown top-level parameter stays a 400.
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Annotated, Any, Literal
 
 from fastapi import Request
@@ -24,7 +25,7 @@ from starlette.requests import ClientDisconnect
 
 from ..compute.constrain import TOOL_NAME, Constraint
 from ..compute.sampling import Sampling
-from ..errors import ConstraintError
+from ..errors import ConstraintError, json_kind
 from ..fileio import parse_json
 from ..model.tool_parsers import ToolCallFormat
 from .schemas import json_object_constraint, schema_constraint, tool_call_constraint
@@ -57,14 +58,38 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+# pydantic's name for one member of a union in an error's location ("str", "list[dict[str,any]]", "NamedToolChoice"):
+# not a parameter of the request, so never part of the ``param`` a client sees
+_UNION_MEMBER = re.compile(r"(str|int|float|bool|none|[a-z-]+\[.*\]|[A-Z]\w*)", re.S)
+# what a value of the wrong type was expected to be, per pydantic error type
+_EXPECTED = {"string_type": "a string", "int_type": "an integer", "float_type": "a number", "bool_type": "a boolean",
+             "list_type": "an array", "dict_type": "an object", "model_type": "an object", "none_required": "null"}  # fmt: skip
+
+
+def _wire_loc(loc: tuple) -> tuple:
+    return tuple(x for x in loc if not (isinstance(x, str) and _UNION_MEMBER.fullmatch(x)))
+
+
 def validation_error(e: ValidationError) -> ApiError:
-    err = e.errors()[0]
-    param = ".".join(str(x) for x in err["loc"]) or None
+    """The 400 of a request that does not validate, naming its parameter as the client spelled it. A value that no
+    member of a union accepts is reported once: the deepest error of those under the first error's parameter (a
+    field missing inside an object), or, when every member refused its type, what it should have been ("expected a
+    string or an array, got a number")."""
+    errors = [(err, _wire_loc(err["loc"])) for err in e.errors()]
+    first = errors[0][1]
+    err, loc = max((x for x in errors if x[1][: len(first)] == first), key=lambda x: len(x[1]))
+    same = [x for x, at in errors if at == loc]
+    param = ".".join(str(x) for x in loc) or None
     if err["type"] == "extra_forbidden":
         name = str(err["loc"][-1])
         hint = f" (this server spells it {_WIRE_SPELLINGS[name]})" if name in _WIRE_SPELLINGS else ""
         return ApiError(400, f"Unrecognized or unsupported request argument supplied: {param}{hint}", param=param,
                         code="unsupported_parameter")  # fmt: skip
+    if len(same) > 1 and all(x["type"] in _EXPECTED or x["type"] == "literal_error" for x in same):
+        kinds = list(dict.fromkeys(_EXPECTED.get(x["type"]) or x["ctx"]["expected"] for x in same))  # list[str] | list[int]: one "an array"
+        expected = kinds[0] if len(kinds) == 1 else ", ".join(kinds[:-1]) + (", or " if any(" or " in k for k in kinds) else " or ") + kinds[-1]
+        return ApiError(400, f"Invalid type for {param}: expected {expected}, got {json_kind(err['input'])}", param=param,
+                        code="invalid_type")  # fmt: skip
     return ApiError(400, f"Invalid value for {param}: {err['msg']}", param=param, code="invalid_value")
 
 
@@ -122,7 +147,7 @@ class Message(_Req):
         if content is None:
             content = self.refusal
         if content is None and not self.tool_calls:
-            raise ApiError(400, f"messages.{i}.content is required", param=f"messages.{i}.content")
+            raise ApiError(400, f"messages.{i}.content is required", param=f"messages.{i}.content", code="missing_required_parameter")
         msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         if self.tool_calls:
             msg["tool_calls"] = [c.template_dict() for c in self.tool_calls]
@@ -156,7 +181,8 @@ class ResponseFormat(_Req):
         if self.type == "json_object":
             return json_object_constraint()
         if self.json_schema is None:
-            raise ApiError(400, "response_format of type json_schema needs a json_schema object", param="response_format.json_schema")
+            raise ApiError(400, "response_format of type json_schema needs a json_schema object", param="response_format.json_schema",
+                           code="missing_required_parameter")
         schema = self.json_schema.schema_ if self.json_schema.schema_ is not None else {}
         return schema_constraint(schema, strict=bool(self.json_schema.strict))
 

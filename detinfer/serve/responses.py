@@ -159,9 +159,9 @@ class Responses:
             except InputError as e:
                 if path.exists():
                     _log.warning("%s; not used", e)
-        where = "recorded in --record's folder" if self.folder is not None else "of this server (start it with --record to keep them)"
-        raise ApiError(400, f"previous_response_id {response_id!r} is not one of the last {MAX_REMEMBERED} responses nor "
-                            f"one {where}; send the whole conversation as input",
+        where = "nor one recorded in --record's folder" if self.folder is not None else "of this server (start it with --record to keep them)"
+        raise ApiError(400, f"previous_response_id {response_id!r} is not one of the last {MAX_REMEMBERED} responses {where}; "
+                            "send the whole conversation as input",
                        param="previous_response_id", code="invalid_value")  # fmt: skip
 
     def _chat_request(self, req: ResponsesRequest) -> tuple[ChatRequest, list[dict[str, Any]]]:

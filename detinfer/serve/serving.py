@@ -35,7 +35,6 @@ from ..compute.generate import (
     OPENAI_FINISH_REASON,
     GenerationResult,
     Step,
-    check_prompt,
 )
 from ..compute.lockstep import DEFAULT_BATCH
 from ..compute.numerics import NUMERICS
@@ -157,7 +156,7 @@ class Server:
         tpl = self.settings.chat_template or self.engine.chat_template
         if tpl is None:
             raise ApiError(400, f"{self.model_id} has no chat template; use /v1/completions, or start the server with "
-                                "--chat-template", param="messages")  # fmt: skip
+                                "--chat-template", param="messages", code="unsupported_value")  # fmt: skip
         return tpl
 
     def tool_format(self, tools: list[Tool] | None) -> ToolCallFormat | None:
@@ -181,11 +180,16 @@ class Server:
             except ConstraintError as e:
                 raise ApiError(400, str(e), param=param, code="invalid_value") from None
 
-    def check_length(self, prompt: list[int]) -> None:
-        check_prompt(self.engine, prompt)
-        if len(prompt) >= self.engine.n_ctx:
-            raise ApiError(400, f"the prompt has {len(prompt)} tokens but the context holds {self.engine.n_ctx} "
-                           "(at least one must remain for the completion)", param="messages", code="context_length_exceeded")  # fmt: skip
+    def check_length(self, prompt: list[int], param: str) -> None:
+        """A 400 naming ``param`` for a prompt of no tokens, or OpenAI's ``context_length_exceeded`` for one of n_ctx
+        tokens or more (at least one position must remain for the completion)."""
+        n_ctx = self.engine.n_ctx
+        if not prompt:
+            raise ApiError(400, f"{param}: the prompt has no tokens", param=param, code="invalid_value")
+        if len(prompt) >= n_ctx:
+            raise ApiError(400, f"the prompt has {len(prompt)} tokens but the context holds {n_ctx} (at least one must remain for "
+                           f"the completion); shorten it, or start the server with a larger --ctx (this model allows up to "
+                           f"{self.engine.config.n_ctx_train})", param=param, code="context_length_exceeded")  # fmt: skip
 
     # serving --------------------------------------------------------------------------------
     async def submit(self, prepare: Callable[[], Job]) -> tuple[Job, asyncio.Queue, Callable[[], None]]:
