@@ -110,10 +110,11 @@ def test_quick_exit_does_what_a_normal_exit_must(tmp_path: Path, code: str, stat
     (["models", "--json"], ["No such option: --json", "(see `detinfer models --help`)"]),
     (["run", "--max-token", "3"], ["No such option: --max-token (Possible options: --max-tokens) (see"]),
     (["run", "--bogus"], ["No such option: --bogus (see `detinfer run --help`)"]),  # click would offer --out
+    (["run", "--manifest", "a.json", "--manifest=b.json"], ["--manifest is given twice; give it once (see"]),  # click ran b
     (["bogus"], ["No such command 'bogus' (see `detinfer --help`)"]),
     (["session", "run"], ["Missing argument 'script'", "(see `detinfer session run --help`)"]),
     (["run", "--prompt"], ["Option '--prompt' requires an argument", "--help`)"]),
-], ids=["bad-value", "bad-int", "out-of-range", "unknown-option", "near-miss", "no-near-option", "unknown-command", "missing-argument", "missing-value"])  # fmt: skip
+], ids=["bad-value", "bad-int", "out-of-range", "unknown-option", "near-miss", "no-near-option", "given-twice", "unknown-command", "missing-argument", "missing-value"])  # fmt: skip
 def test_usage_errors_are_one_line(tmp_path, args, needles):
     """typer draws a usage error in a box of several lines; here it is one line like every other error, exit 2."""
     r = detinfer(tmp_path, *args, timeout=60)

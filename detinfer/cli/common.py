@@ -48,7 +48,17 @@ class _Help:
 
 
 class _Command(_Help, typer.core.TyperCommand):
-    pass
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        """click's, but an option of one value given twice is a usage error: click keeps the last, so
+        ``--manifest a.json --manifest b.json`` re-executed b alone."""
+        if not ctx.resilient_parsing:
+            seen = set()
+            for param in self.make_parser(ctx).parse_args(args=list(args))[2]:  # every option in the order given
+                if param.param_type_name == "option" and not (param.multiple or param.is_flag or param.count):
+                    if param in seen:
+                        ctx.fail(f"{param.opts[0]} is given twice; give it once")
+                    seen.add(param)
+        return super().parse_args(ctx, args)
 
 
 class _Group(_Help, typer.core.TyperGroup):
