@@ -4,9 +4,11 @@
 ``llm.session`` run it; ``detinfer.verify(paths)`` re-executes recorded runs. See detinfer/api.py; the README's "Where things are" maps the subpackages.
 """
 
+from .compute.cores import cap_numba_threads as _cap_numba_threads
 from .compute.jit import configure as _configure_jit
 from .version import __version__
 
+_cap_numba_threads()  # before numba is imported, so its pool fits a container's CPU quota
 _configure_jit()  # before any kernel compiles
 
 __all__ = ["Constraint", "DetinferError", "LLM", "Outcome", "Result", "Sampling", "SessionResult", "Step", "Stream", "VerifyResult", "load",

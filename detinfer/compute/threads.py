@@ -37,6 +37,7 @@ from contextlib import contextmanager
 import numba
 
 from ..errors import InputError
+from . import cores
 
 WINDOW_S = 0.2  # seconds of accounting per choice: a few hundred decode steps' worth of parallel regions
 STALE_S = 1.0  # a window this old spans a pause of this thread: others' load then says nothing of now; start anew
@@ -129,7 +130,10 @@ def set_threads(threads: int | None) -> int:
     if threads is not None:
         n = int(threads)
         if not 1 <= n <= limit:
-            raise InputError(f"--threads {threads} is out of range; use 1..{limit} (NUMBA_NUM_THREADS caps it)")
+            q = cores.quota_capped
+            why = (f"the process's CPU quota, a container's --cpus or a Kubernetes CPU limit, is {q:g} CPU{'s' * (q != 1)}; "
+                   "NUMBA_NUM_THREADS=N overrides it") if q is not None else "NUMBA_NUM_THREADS caps it"  # fmt: skip
+            raise InputError(f"--threads {threads} is out of range; use 1..{limit} ({why})")
         _local.auto = False
         numba.set_num_threads(n)
         return n
