@@ -114,7 +114,8 @@ def test_quick_exit_does_what_a_normal_exit_must(tmp_path: Path, code: str, stat
     (["bogus"], ["No such command 'bogus' (see `detinfer --help`)"]),
     (["session", "run"], ["Missing argument 'script'", "(see `detinfer session run --help`)"]),
     (["run", "--prompt"], ["Option '--prompt' requires an argument", "--help`)"]),
-], ids=["bad-value", "bad-int", "out-of-range", "unknown-option", "near-miss", "no-near-option", "given-twice", "unknown-command", "missing-argument", "missing-value"])  # fmt: skip
+], ids=["bad-value", "bad-int", "out-of-range", "unknown-option", "near-miss", "no-near-option", "given-twice",
+        "unknown-command", "missing-argument", "missing-value"])  # fmt: skip
 def test_usage_errors_are_one_line(tmp_path, args, needles):
     """typer draws a usage error in a box of several lines; here it is one line like every other error, exit 2."""
     r = detinfer(tmp_path, *args, timeout=60)

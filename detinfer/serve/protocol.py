@@ -86,8 +86,9 @@ def validation_error(e: ValidationError) -> ApiError:
         return ApiError(400, f"Unrecognized or unsupported request argument supplied: {param}{hint}", param=param,
                         code="unsupported_parameter")  # fmt: skip
     if len(same) > 1 and all(x["type"] in _EXPECTED or x["type"] == "literal_error" for x in same):
-        kinds = list(dict.fromkeys(_EXPECTED.get(x["type"]) or x["ctx"]["expected"] for x in same))  # list[str] | list[int]: one "an array"
-        expected = kinds[0] if len(kinds) == 1 else ", ".join(kinds[:-1]) + (", or " if any(" or " in k for k in kinds) else " or ") + kinds[-1]
+        kinds = list(dict.fromkeys(_EXPECTED.get(x["type"]) or x["ctx"]["expected"] for x in same))  # list[str] | list[int]
+        last = ", or " if any(" or " in k for k in kinds) else " or "  # a literal's "'a', 'b' or 'c'" comes whole
+        expected = kinds[0] if len(kinds) == 1 else ", ".join(kinds[:-1]) + last + kinds[-1]
         return ApiError(400, f"Invalid type for {param}: expected {expected}, got {json_kind(err['input'])}", param=param,
                         code="invalid_type")  # fmt: skip
     return ApiError(400, f"Invalid value for {param}: {err['msg']}", param=param, code="invalid_value")

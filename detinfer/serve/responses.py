@@ -159,7 +159,8 @@ class Responses:
             except InputError as e:
                 if path.exists():
                     _log.warning("%s; not used", e)
-        where = "nor one recorded in --record's folder" if self.folder is not None else "of this server (start it with --record to keep them)"
+        where = ("nor one recorded in --record's folder" if self.folder is not None
+                 else "of this server (start it with --record to keep them)")  # fmt: skip
         raise ApiError(400, f"previous_response_id {response_id!r} is not one of the last {MAX_REMEMBERED} responses {where}; "
                             "send the whole conversation as input",
                        param="previous_response_id", code="invalid_value")  # fmt: skip
