@@ -6,10 +6,12 @@
 
 from .compute.cores import cap_numba_threads as _cap_numba_threads
 from .compute.jit import configure as _configure_jit
+from .compute.jit_cache import seal_jit_cache as _seal_jit_cache
 from .version import __version__
 
 _cap_numba_threads()  # before numba is imported, so its pool fits a container's CPU quota
 _configure_jit()  # before any kernel compiles
+_seal_jit_cache()  # before any kernel loads from numba's cache
 
 __all__ = ["Constraint", "DetinferError", "LLM", "Outcome", "Result", "Sampling", "SessionResult", "Step", "Stream", "VerifyResult", "load",
            "replay", "verify", "__version__"]

@@ -242,9 +242,9 @@ def _merge(d: Dispatcher, source: Path) -> bool:
         base = mine._index_name[: -len(".nbi")]
         theirs = caching.IndexDataCacheFile(str(source), base, mine._source_stamp)
         have, added = mine._load_index(), False
-        for key, name in theirs._load_index().items():
-            if key not in have:
-                mine.save(key, theirs._load_data(name))
+        for key in theirs._load_index():
+            if key not in have and (data := theirs.load(key)) is not None:  # checked (compute/jit_cache.py), then sealed anew
+                mine.save(key, data)
                 added = True
         return added
     except Exception:  # noqa: BLE001 - numba's private cache API changed, or the folder is not writable
