@@ -134,6 +134,35 @@ def test_edited_messages_of_a_session_run_and_of_its_snapshot_are_bad_input(engi
     assert bad.status == "bad input" and "turn 1: its messages do not render" in bad.message, bad.message
 
 
+def _first_result(d: dict) -> None:
+    d["turns"][0]["messages"].append({"role": "tool", "tool_call_id": "call_OTHER", "content": "7"})
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda d: d["turns"][1]["messages"][0].update(tool_call_id="call_FORGED"),
+     "turn 2: message 0 answers tool call id 'call_FORGED', which the assistant message before it did not make"),
+    (_first_result, "turn 1: message 2 answers tool call id 'call_OTHER'"),
+], ids=["result-of-another-call", "result-of-no-call"])  # fmt: skip
+def test_a_tool_result_bound_to_a_call_that_was_not_made_is_bad_input(engine, recording, tmp_path, edit, needle):
+    """No chat template renders call ids, so the ids are what ties a result to its call: a result must answer a call of
+    the assistant message before it, as OpenAI requires of a request (an independent probe replayed a forged pair as a
+    match). The first case renders the same tokens; the second fails on its tokens too, but the id is named first."""
+    (tmp_path / "forged.json").write_text(session_json(_resealed(recording, edit)))
+    with pytest.raises(ManifestError, match=needle):
+        replay_turns(engine, load_session(tmp_path / "forged.json"))
+
+
+def test_tools_on_a_turn_whose_rendering_does_not_use_them_are_bad_input(engine, tmp_path):
+    """A session run renders each turn's messages without tools: a forger's tools there bind to nothing."""
+    llm = api.LLM(engine, threads=1)
+    llm.session({"sampling": {"max_tokens": 2}, "turns": [{"messages": [QUESTION]}]}).save(tmp_path / "s.json")
+    edit = lambda d: d["turns"][0].update(tools=[{"type": "function", "function": {"name": "rm_rf"}}])  # noqa: E731
+    (tmp_path / "forged.json").write_text(session_json(_resealed(tmp_path / "s.json", edit)))
+    assert [r.status for r in api.verify([tmp_path / "s.json"])] == ["match"]  # control
+    (bad,) = api.verify([tmp_path / "forged.json"])
+    assert bad.status == "bad input" and "turn 1 records tools, which its delta rendering does not use" in bad.message, bad.message
+
+
 def test_two_servers_on_one_folder_and_a_planted_link_lose_no_record(engine, tmp_path, caplog):
     folder = tmp_path / "shared"
     with serve(engine, folder) as a, serve(engine, folder) as b:

@@ -206,6 +206,11 @@ def test_bad_parameters_are_400(client, extra, param):
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": 5}, "stop", "invalid_type", "got a number"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "function", "function": {}}},
      "tool_choice.function.name", "invalid_value", "Field required"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c2", "content": "5"}]}, "messages.2.tool_call_id", "invalid_value", "not the id of a call"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "c1", "content": "5"}]},
+     "messages.1.tool_call_id", "invalid_value", "preceding assistant message's tool_calls"),
     ("completions", {"prompt": [1.5]}, "prompt.0", "invalid_type", "expected a string or an integer"),
     ("completions", {"prompt": ""}, "prompt", "invalid_value", "empty"),
     ("completions", {"prompt": []}, "prompt", "invalid_value", "no tokens"),

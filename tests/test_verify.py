@@ -238,6 +238,42 @@ def test_first_divergent_step_is_the_first_differing_digest_or_token(home: Path,
     assert (dv["step"], dv["expected_token"], dv["actual_token"]) == (2, 7042, GREEDY_IDS[2])
 
 
+def _forge_messages(d: dict) -> None:
+    d["prompt"]["messages"] = [{"role": "system", "content": "Always lie."}, *d["prompt"]["messages"]]
+
+
+def _forge_top(d: dict) -> None:
+    d["output"]["top_logits"][0] = [[33, 99.0], [666, 98.0]]
+
+
+FORGED = {  # a resealed chat record with one field a reader reads changed: (edit, the differing field, or None: a match)
+    "messages": (_forge_messages, "prompt.messages (rebuilt from the recorded input)"),
+    "rendered": (lambda d: d["prompt"].update(rendered="anything"), "prompt.rendered (rebuilt from the recorded input)"),
+    "top_logits": (_forge_top, "output.top_logits"),
+    "architecture": (lambda d: d["model"].update(architecture="qwen3"), "model.architecture"),
+    "tensor_types": (lambda d: d["model"].update(tensor_types={"F16": 272}), "model.tensor_types"),
+    "resealed_only": (lambda d: None, None),  # the control: resealing alone changes nothing
+    "file_name": (lambda d: d["model"].update(file_name="Other.gguf"), None),  # where the file was: informative
+}
+
+
+def test_a_resealed_record_that_names_what_was_not_computed_is_a_mismatch(home: Path, model_path: Path, engine: Engine,
+                                                                          tmp_path: Path):  # fmt: skip
+    """Anyone can reseal a manifest, so every field a reader reads is checked against what its recorded inputs give
+    (an independent probe: a system message added to a --chat record, a rendered text, top logits and the model's
+    architecture and tensor types all verified as a match once resealed)."""
+    chat = execute(engine, build_prompt(engine, text="Name a colour.", chat=True), Sampling(max_tokens=4, ignore_eos=True))
+    for name, (edit, _) in FORGED.items():
+        data = chat.model_dump(mode="json")
+        edit(data)
+        write_manifest(RunManifest.model_validate(data), tmp_path / f"{name}.json")  # sealed anew, as anyone can
+    code, results, summary = verify_json(home, model_path, tmp_path)
+    assert code == 1 and summary["mismatch"] == 5 and summary["match"] == 2, summary
+    for name, (_, field) in FORGED.items():
+        res = results[f"{name}.json"]
+        assert [d["field"] for d in res["differences"]] == ([field] if field else []), (name, res)
+
+
 # ------------------------------------------------------------------------------------------ bad input
 
 

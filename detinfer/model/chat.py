@@ -73,6 +73,20 @@ def load_messages(path: str | os.PathLike) -> list[dict[str, Any]]:
     return messages
 
 
+def unanswered_tool_result(messages: list[dict[str, Any]]) -> int | None:
+    """The index of the first tool message whose ``tool_call_id`` is not the id of a call in the nearest assistant
+    message before it (OpenAI's rule: a tool result answers a call of the preceding assistant message), or None. A
+    tool message without an id is not checked. No template renders the ids, so this is what ties a result to its
+    call in a record."""
+    calls: set[Any] = set()
+    for i, m in enumerate(messages):
+        if m.get("role") == "assistant":
+            calls = {c.get("id") for c in m.get("tool_calls") or [] if isinstance(c, dict)}
+        elif m.get("role") == "tool" and m.get("tool_call_id") is not None and m["tool_call_id"] not in calls:
+            return i
+    return None
+
+
 TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
 # --chat-template NAME → file in TEMPLATES_DIR: llama.cpp's built-in formats for files without a template.
 BUILTIN_TEMPLATES = {"gemma": "gemma.jinja", "chatml": "chatml.jinja", "chatml-tools": "chatml-tools.jinja"}

@@ -13,6 +13,11 @@ raises ManifestError naming the first turn that does not bind (bad input, never 
   history's first ``kept_tokens`` tokens plus the appended ones;
 - "raw" (/v1/completions): no messages to bind.
 
+Only a "whole" turn records ``tools`` (no other rendering uses them), and there each tool result's ``tool_call_id``
+names a call of the assistant message before it (as OpenAI requires of a request): no template renders call ids,
+so that rule is what ties a result to its call. Fields that no computation reads (a message's ``name`` where the
+template does not render it) are kept as the client sent them and bound by nothing but the seal.
+
 A server record of schema 1-3 holds neither its tools nor the replies as re-sent, so its later turns cannot be bound:
 they fail the check with the advice to record the session again.
 """
@@ -23,7 +28,7 @@ from typing import Any, Sequence
 
 from ..compute.engine import Engine
 from ..errors import ManifestError
-from ..model.chat import ChatTemplate
+from ..model.chat import ChatTemplate, unanswered_tool_result
 from ..model.tool_parsers import FORMATS
 from .session import Conversation, SessionRecord, TurnRecord
 
@@ -66,11 +71,18 @@ def check_session(engine: Engine, record: SessionRecord, template: ChatTemplate 
     for i, turn in enumerate(record.turns, start=1):
         messages = [m.model_dump() for m in turn.messages]
         resent = turn.reply_as_sent.model_dump() if turn.reply_as_sent is not None else None
+        if turn.tools is not None and turn.rendering != "whole":
+            raise ManifestError(f"turn {i} records tools, which its {turn.rendering or 'delta'} rendering does not use; "
+                                "the record was edited")  # fmt: skip
         if turn.rendering == "raw":
             if messages:
                 raise ManifestError(f"turn {i} is a raw prompt but records messages; the record was edited")
         elif turn.rendering == "whole":
             history = conv.messages[:-1] + [resent] if resent is not None and conv.messages else list(conv.messages)
+            if (j := unanswered_tool_result(history + messages)) is not None and j >= len(history):
+                raise ManifestError(f"turn {i}: message {j - len(history)} answers tool call id "
+                                    f"{(history + messages)[j]['tool_call_id']!r}, which the assistant message before it "
+                                    "did not make; the record was edited")  # fmt: skip
             ids = tpl.encode(tok, tpl.render_with(tok, history + messages, tools=turn.tools))
             if ids != conv.tokens[: turn.kept_tokens] + turn.appended_token_ids:
                 raise _unbound(i, "messages and tools", record.schema_version)

@@ -213,8 +213,10 @@ class Comparison:
 
 
 def compare(expected: RunManifest, actual: RunManifest) -> Comparison:
-    """Compare the contract fields of two manifests: the numerics id, inputs' hashes, output tokens, text, stop reason, KV hash
-    and the logits digest chain. ``first_divergent_step`` is the first step whose logits digest or token differs."""
+    """Compare the contract fields of two manifests: the numerics id, the model (all but its file name, which is where
+    the file was, informative like ``informative.model_path``), inputs' hashes, output tokens, text, stop reason, KV
+    hash, the logits digest chain and the top logits. ``first_divergent_step`` is the first step whose logits digest
+    or token differs."""
     diffs: list[Difference] = []
 
     def check(name: str, a, b) -> None:
@@ -222,7 +224,8 @@ def compare(expected: RunManifest, actual: RunManifest) -> Comparison:
             diffs.append(Difference(name, *excerpts(a, b)))
 
     check("numerics", expected.recorded_numerics(), actual.recorded_numerics())
-    check("model.sha256", expected.model.sha256, actual.model.sha256)
+    for field in ("sha256", "registry_name", "architecture", "tensor_types"):
+        check(f"model.{field}", getattr(expected.model, field), getattr(actual.model, field))
     check("tokenizer_sha256", expected.tokenizer_sha256, actual.tokenizer_sha256)
     check("chat_template_sha256", expected.chat_template_sha256, actual.chat_template_sha256)
     check("chat_template", expected.chat_template, actual.chat_template)
@@ -234,6 +237,7 @@ def compare(expected: RunManifest, actual: RunManifest) -> Comparison:
     check("output.kv_sha256", expected.output.kv_sha256, actual.output.kv_sha256)
     check("output.logits_digests", expected.output.logits_digests, actual.output.logits_digests)
     check("output.mask_digests", expected.output.mask_digests, actual.output.mask_digests)
+    check("output.top_logits", expected.output.top_logits, actual.output.top_logits)
     # a digest differs before the token sampled from it, but an edited (re-sealed) manifest can differ in a token only
     firsts = [first_difference(expected.output.logits_digests, actual.output.logits_digests),
               first_difference(expected.output.mask_digests or [], actual.output.mask_digests or []),
@@ -272,7 +276,16 @@ def reexecute_manifest(manifest: RunManifest, engine: Engine, *, chunk_size: int
     actual = execute(engine, p, manifest.sampling, chunk_size=chunk_size, on_step=on_step, template=template,
                      constraint=manifest.constraint, speculate=speculate)
     comparison = compare(manifest, actual)
-    if retokenized.token_ids != p.token_ids:
-        extra = Difference("prompt.token_ids (re-tokenized)", *excerpts(p.token_ids, retokenized.token_ids))
-        comparison = Comparison(comparison.differences + (extra,), comparison.first_divergent_step)
+    # every prompt field a reader reads is what the recorded inputs give: a resealed record cannot name a system
+    # message or a rendered text the model never saw
+    extra = tuple(Difference(f"prompt.{f} (rebuilt from the recorded input)", *excerpts(a, b))
+                  for f in PromptRecord.model_fields
+                  if (a := _plain(getattr(p, f))) != (b := _plain(getattr(retokenized, f))))  # fmt: skip
+    if extra:
+        comparison = Comparison(comparison.differences + extra, comparison.first_divergent_step)
     return actual, comparison
+
+
+def _plain(value):
+    """A prompt field as JSON data (messages as dicts), for comparing and printing."""
+    return [m.model_dump() for m in value] if isinstance(value, list) and value and isinstance(value[0], Message) else value

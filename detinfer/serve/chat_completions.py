@@ -21,6 +21,7 @@ from ..compute.constrain import check_ignore_eos
 from ..compute.generate import GenerationResult, Step
 from ..errors import ConstraintError
 from ..fileio import parse_json
+from ..model.chat import unanswered_tool_result
 from ..model.tool_parsers import Reply
 from .protocol import ApiError, ChatRequest
 from .schemas import ArgumentsValidator
@@ -53,6 +54,9 @@ class ChatCompletions:
         engine, tpl = server.engine, server.template()
         fmt = server.tool_format(req.tools)
         messages = [m.template_dict(i) for i, m in enumerate(req.messages)]
+        if (i := unanswered_tool_result(messages)) is not None:
+            raise ApiError(400, f"messages.{i}.tool_call_id {messages[i]['tool_call_id']!r} is not the id of a call in the "
+                           "preceding assistant message's tool_calls", param=f"messages.{i}.tool_call_id", code="invalid_value")  # fmt: skip
         for i, msg in enumerate(messages):  # HF templates expect arguments as objects (transformers' chat template docs)
             for j, call in enumerate(msg.get("tool_calls", [])):
                 call["function"]["arguments"] = arguments_object(call["function"]["arguments"], f"messages.{i}.tool_calls.{j}.function.arguments")
