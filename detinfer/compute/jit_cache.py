@@ -20,7 +20,8 @@ from typing import Any
 
 from ..fileio import warn_damaged_cache
 
-MAGIC = b"detinfer-jit-entry-v1\n"
+FORMAT = 1  # of a sealed entry; in the CI cache key (integrations/ci_report.py): a cache of unsealed entries is not restored
+MAGIC = f"detinfer-jit-entry-v{FORMAT}\n".encode("ascii")
 _DIGEST = 32
 _warned: set[str] = set()  # the files reported in this process: a warm-up looks an entry up more than once
 

@@ -63,7 +63,8 @@ def cache_target() -> str:
 
 def cache_key(model: str | os.PathLike | None = None) -> str:
     """The CI cache key of a model and its compiled kernels: detinfer, numba and Python versions (numba's cache
-    entries hold code for one Python), the model's sha256 and :func:`cache_target`.
+    entries hold code for one Python), the sealed entries' format (compute/jit_cache.py), the model's sha256 and
+    :func:`cache_target`.
 
     ``model``: a registry name (default the registry's default model; its sha256 comes from the registry, so the
     key is known before the model is pulled) or a .gguf path (hashed). Raises GGUFError for a path that does not
@@ -73,11 +74,12 @@ def cache_key(model: str | os.PathLike | None = None) -> str:
 
     import numba
 
+    from ..compute import jit_cache
     from ..model.gguf_file import ModelFile
     from ..model.registry import DEFAULT_MODEL, REGISTRY, resolve_model
     from ..version import __version__
 
     model = DEFAULT_MODEL if model is None else model
     sha256 = REGISTRY[model].sha256 if model in REGISTRY else ModelFile(resolve_model(model)).sha256
-    versions = f"detinfer-{__version__}-numba-{numba.__version__}-py{platform.python_version()}"
+    versions = f"detinfer-{__version__}-numba-{numba.__version__}-py{platform.python_version()}-jit{jit_cache.FORMAT}"
     return f"{versions}-{sha256[:16]}-{cache_target()}"
