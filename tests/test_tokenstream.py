@@ -9,6 +9,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
+from detinfer.compute import jit_cache
 from detinfer.integrations.ci_report import (
     cache_key,
     cache_target,
@@ -80,5 +81,6 @@ def test_cache_key_names_versions_model_and_cpu():
     level = cache_target()
     assert re.fullmatch(r"(x86-64-v[1-4]|[a-z0-9_]+)-\S+", level)
     key = cache_key()
-    assert key.startswith("detinfer-0.1.0-numba-") and f"-py{platform.python_version()}-b179c9523d0e6a0f-" in key and key.endswith(level)
+    assert key.startswith("detinfer-0.1.0-numba-") and key.endswith(level)
+    assert f"-py{platform.python_version()}-jit{jit_cache.FORMAT}-b179c9523d0e6a0f-" in key  # the sealed entries' format
     assert cache_key("gemma3-270m-q4_k_m") != key
