@@ -97,8 +97,11 @@ def quota_cpus(proc: Path = PROC) -> float | None:
 def usable_cores(proc: Path = PROC) -> int:
     """The cores this process may keep busy: its affinity mask's count, capped by :func:`quota_cpus` rounded down,
     at least 1."""
-    quota = quota_cpus(proc)
-    return max(1, min(_affinity(), math.floor(quota) if quota is not None else _affinity()))
+    return _capped(quota_cpus(proc), _affinity())
+
+
+def _capped(quota: float | None, affinity: int) -> int:
+    return affinity if quota is None else max(1, min(affinity, math.floor(quota)))
 
 
 def _affinity() -> int:
@@ -115,9 +118,9 @@ def cap_numba_threads() -> None:
     if parallel is not None and parallel._is_initialized:
         return
     global quota_capped
-    n = usable_cores()
-    if n < _affinity():
-        quota_capped = quota_cpus()
+    quota, affinity = quota_cpus(), _affinity()  # read once: this runs at every import of detinfer
+    if (n := _capped(quota, affinity)) < affinity:
+        quota_capped = quota
         os.environ["NUMBA_NUM_THREADS"] = str(n)
         if (config := sys.modules.get("numba.core.config")) is not None:
             config.reload_config()
